@@ -1,0 +1,57 @@
+"""A causal LM with its own KV cache that always mirrors a token list it can compare with the true context.
+
+Both the target and the model-based drafters use it. Instead of callers cropping by hand after every rejection,
+`logits_for` compares the tokens it has cached with the tokens asked for, crops to the common prefix and feeds only
+the rest: a cache can never drift from the context, and a drafter that sat out rounds catches up the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class CachedModel:
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+        self.model = model
+        self.vocab_size = vocab_size  # pad/trim logits to the target's vocabulary when the heads differ in size
+        self.tokens: list[int] = []
+        self.cache = DynamicCache(config=model.config)
+        self.fed_tokens = 0  # tokens run through the model since the last reset (prefill + catch-up + drafts)
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.cache = DynamicCache(config=self.model.config)
+        self.fed_tokens = 0
+
+    @torch.inference_mode()
+    def logits_for(self, tokens: list[int], last: int = 1) -> torch.Tensor:
+        """Logits [last, V] predicting the token after each of the final `last` positions of `tokens`."""
+        if not 1 <= last <= len(tokens):
+            raise ValueError(f"need 1 <= last <= {len(tokens)}, got {last}")
+        keep = min(common_prefix(self.tokens, tokens), len(tokens) - last)
+        if keep < len(self.tokens):
+            self.cache.crop(keep - len(self.tokens))
+        new = tokens[keep:]
+        out = self.model(input_ids=torch.tensor([new]), cache=self.cache, use_cache=True, logits_to_keep=last)
+        self.tokens = list(tokens)
+        self.fed_tokens += len(new)
+        logits = out.logits[0].float()
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = _fit(logits, self.vocab_size)
+        return logits
+
+
+def _fit(logits: torch.Tensor, size: int) -> torch.Tensor:
+    if logits.shape[-1] > size:
+        return logits[:, :size]
+    pad = torch.full((logits.shape[0], size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

