@@ -39,7 +39,7 @@ class Decoder:
     def __init__(
         self,
         target: str | None = None,
-        drafters: str | Sequence[str] = ("ngram", "suffix", "early-exit"),
+        drafters: str | Sequence[str | Drafter] = ("ngram", "suffix", "early-exit"),
         policy: str = "metasd-ucb",
         draft_len: int = 5,
         dtype: str = "float32",
@@ -52,9 +52,12 @@ class Decoder:
             raise ValueError(f"policy_scope must be 'request' or 'server', got {policy_scope!r}")
         self.target: LoadedModel = load_model(target, dtype)
         self.tokenizer = self.target.tokenizer
-        self.drafters: dict[str, Drafter] = {
-            spec: build_drafter(spec, self.target, dtype) for spec in parse_drafters(drafters)
-        }
+        self.drafters: dict[str, Drafter] = {}
+        for item in parse_drafters(drafters) if isinstance(drafters, str) else drafters:
+            drafter = item if isinstance(item, Drafter) else build_drafter(item, self.target, dtype)  # spec or object
+            if drafter.name in self.drafters:
+                raise ValueError(f"drafter pool lists {drafter.name!r} twice")
+            self.drafters[drafter.name] = drafter
         self.draft_len = draft_len
         self.policy_scope = policy_scope
         self.seed = seed

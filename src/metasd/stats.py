@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class GenerationStats:
     @property
     def switches(self) -> int:
         names = [r.drafter for r in self.rounds if r.drafter is not None]
-        return sum(a != b for a, b in zip(names, names[1:]))
+        return sum(a != b for a, b in pairwise(names))
 
     @property
     def catch_up_tokens(self) -> int:

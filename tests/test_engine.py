@@ -1,0 +1,143 @@
+"""The decoder is lossless: greedy output equals the target's own generate(), for every drafter and policy."""
+
+import json
+from itertools import pairwise
+
+import pytest
+import torch
+
+from metasd import Decoder, Draft
+from metasd.sampling import SamplingParams
+
+CATEGORIES = ["writing", "roleplay", "coding", "math", "extraction",
+              "translation", "summarization", "qa", "math_reasoning", "rag"]
+MAX_NEW = 32
+POOL = ["ngram", "suffix", "early-exit:8", "lm:embedded"]  # lm:embedded is the target itself: it always agrees
+
+
+class NeverAgrees:
+    """Drafts a token the target never predicts here: every round is a full rejection."""
+
+    name = "never"
+    has_cache = False
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, context, k, params: SamplingParams, generator) -> Draft:
+        return Draft([7] * k)  # a byte-fallback token that never appears in the outputs
+
+
+@pytest.fixture(scope="module")
+def decoder(embedded):
+    return Decoder(drafters=[*POOL, NeverAgrees()], policy="metasd-ucb", draft_len=4)
+
+
+@pytest.fixture(scope="module")
+def cases(decoder, questions_path):
+    """One prompt from each of 10 Spec-Bench categories, with the target's own greedy continuation."""
+    questions = [json.loads(line) for line in questions_path.read_text().splitlines()]
+    out = []
+    for category in CATEGORIES:
+        question = next(q for q in questions if q["category"] == category)
+        ids = decoder.encode(question["turns"][0])
+        reference = decoder.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                                  do_sample=False, max_new_tokens=MAX_NEW)
+        out.append((category, ids, reference[0, len(ids):].tolist()))
+    return out
+
+
+def assert_lossless(decoder, cases, **options):
+    for category, ids, reference in cases:
+        result = decoder.generate(ids, max_new_tokens=MAX_NEW, **options)
+        assert result.token_ids == reference, f"{options} diverged from generate() on {category}"
+        assert result.stats.new_tokens == len(reference)
+
+
+@pytest.mark.parametrize("drafter", [*POOL, "never"])
+def test_each_drafter_alone_is_lossless(decoder, cases, drafter):
+    assert_lossless(decoder, cases, policy=f"fixed:{drafter}")
+
+
+@pytest.mark.parametrize("policy", ["none", "metasd-ucb", "ucb-be", "exp3", "sequential-halving", "random",
+                                    "round-robin"])
+def test_each_policy_over_the_full_pool_is_lossless(decoder, cases, policy):
+    assert_lossless(decoder, cases, policy=policy, seed=0)
+
+
+def test_edge_drafters_accept_everything_or_nothing(decoder, cases):
+    _, ids, reference = cases[0]
+    always = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="fixed:lm:embedded").stats
+    assert always.drafters()["lm:embedded"].accepted == always.drafters()["lm:embedded"].drafted
+    assert always.mean_accepted_tokens > 4.0  # k + 1 = 5 except the clipped last round
+    never = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="fixed:never").stats
+    assert never.drafters()["never"].accepted == 0
+    assert never.mean_accepted_tokens == 1.0
+
+
+def test_round_robin_switches_every_round_and_catches_up(decoder, cases):
+    _, ids, reference = cases[1]
+    stats = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="round-robin").stats
+    drafted = [r.drafter for r in stats.rounds if r.drafter]
+    assert all(a != b for a, b in pairwise(drafted))
+    assert stats.catch_up_tokens > 0  # model drafters had missed the rounds of the others
+    assert stats.switches == len(drafted) - 1
+
+
+def test_generation_stops_at_eos_where_generate_does(decoder):
+    ids = decoder.encode("Reply with only the word: yes")
+    reference = decoder.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                              do_sample=False, max_new_tokens=64)[0, len(ids):].tolist()
+    result = decoder.generate(ids, max_new_tokens=64, policy="metasd-ucb")
+    assert result.token_ids == reference
+    assert result.finish_reason == "stop" and result.token_ids[-1] in decoder.target.eos_token_ids
+    assert len(result.token_ids) < 64
+
+
+def test_seeded_sampling_is_reproducible(decoder):
+    options = dict(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95, policy="metasd-ucb")
+    a = decoder.generate("Tell me a story about a robot.", seed=7, **options)
+    b = decoder.generate("Tell me a story about a robot.", seed=7, **options)
+    c = decoder.generate("Tell me a story about a robot.", seed=8, **options)
+    assert a.token_ids == b.token_ids and a.stats.drafters().keys() == b.stats.drafters().keys()
+    assert a.token_ids != c.token_ids
+
+
+def test_stream_yields_each_rounds_tokens(decoder):
+    generation = decoder.stream("Count from one to five.", max_new_tokens=16, policy="fixed:ngram")
+    chunks = list(generation)
+    assert [t for chunk in chunks for t in chunk] == generation.token_ids
+    assert len(chunks) == len(generation.stats.rounds)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt="   "), "prompt is empty"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(policy="thompson"), "unknown policy"),
+        (dict(policy="fixed:medusa"), "medusa"),
+        (dict(drafters=["eagle"]), "not in the loaded pool"),
+        (dict(prompt=[5] * 9000), "exceeds the model's context"),
+    ],
+)
+def test_bad_requests_raise_value_error(decoder, options, message):
+    options = {"prompt": "hello", **options}
+    with pytest.raises(ValueError, match=message):
+        decoder.stream(options.pop("prompt"), **options)
+
+
+def test_bad_decoder_configurations_raise_value_error(embedded):
+    with pytest.raises(ValueError, match="unknown drafter"):
+        Decoder(drafters="ngram,medusa")
+    with pytest.raises(ValueError, match="draft_len"):
+        Decoder(drafters="ngram", draft_len=0)
+    with pytest.raises(ValueError, match="twice"):
+        Decoder(drafters="ngram,ngram")
+    with pytest.raises(ValueError, match="early-exit"):
+        Decoder(drafters="early-exit:30")
