@@ -24,3 +24,12 @@ def test_block_efficiency_and_dispatch():
     assert reward("bd", p, None, [1], 0, 1) == 0.0
     with pytest.raises(ValueError):
         reward("nope", p, None, [0], 1, 1)
+
+
+def test_cost_aware_reward_discounts_slow_drafters():
+    # a perfect free draft: all k + 1 tokens, no time lost
+    assert reward("bd-cost", torch.tensor([[1.0, 0.0]] * 3), None, [0, 0], 2, 2, 0.0, 1.0) == pytest.approx(1.0)
+    # the same alignment bought with a draft as slow as the verification is worth half
+    assert reward("bd-cost", torch.tensor([[1.0, 0.0]] * 3), None, [0, 0], 2, 2, 1.0, 1.0) == pytest.approx(0.5)
+    # an empty draft still yields the target's own token: 1 / (k + 1)
+    assert reward("bd-cost", torch.tensor([[1.0, 0.0]]), None, [], 0, 4, 0.0, 1.0) == pytest.approx(0.2)

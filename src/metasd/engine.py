@@ -193,7 +193,7 @@ class Generation:
             t3 = time.perf_counter()
             score = None
             if drafter:
-                score = reward(policy.reward, p, draft.q, draft.tokens, verdict.accepted, k)
+                score = reward(policy.reward, p, draft.q, draft.tokens, verdict.accepted, k, t2 - t1, t3 - t2)
                 policy.update(arm, score)
             t4 = time.perf_counter()
             new = draft.tokens[: verdict.accepted] + [verdict.next_token]

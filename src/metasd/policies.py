@@ -182,10 +182,14 @@ class Fixed(_ArmStats):
         return self.arm
 
 
-POLICY_NAMES: tuple[str, ...] = ("metasd-ucb", "ucb-be", "exp3", "sequential-halving", "random", "round-robin", "none")
-_DEFAULTS: dict[str, float] = {"metasd-ucb": 1.0, "ucb-be": 1.0, "exp3": 0.1, "sequential-halving": 64}
+POLICY_NAMES: tuple[str, ...] = (
+    "metasd-ucb", "metasd-ucb-cost", "ucb-be", "exp3", "sequential-halving", "random", "round-robin", "none"
+)
+_UCB_REWARDS = {"metasd-ucb": "bd", "metasd-ucb-cost": "bd-cost", "ucb-be": "be"}
+_DEFAULTS: dict[str, float] = {**dict.fromkeys(_UCB_REWARDS, 1.0), "exp3": 0.1, "sequential-halving": 64}
 _CHOICES = (
-    "metasd-ucb[:BETA], ucb-be[:BETA], exp3[:GAMMA], sequential-halving[:BUDGET], random, round-robin, "
+    "metasd-ucb[:BETA], metasd-ucb-cost[:BETA], ucb-be[:BETA], exp3[:GAMMA], sequential-halving[:BUDGET], "
+    "random, round-robin, "
     "fixed:<drafter>, none"
 )
 
@@ -231,4 +235,4 @@ def build_policy(name: str, drafter_names: Sequence[str], seed: int | None = Non
         return SequentialHalving(k, int(value))
     if value < 0:
         raise ValueError(f"policy {name!r}: beta must be >= 0")
-    return UCB(k, value, reward="bd" if base == "metasd-ucb" else "be")
+    return UCB(k, value, reward=_UCB_REWARDS[base])

@@ -5,6 +5,10 @@ position, also those after the first rejection, so it is a denser, lower-varianc
 For a drafter without q (one-hot on its token x_j), 1 - TV(p_j, q_j) = p_j(x_j). Positions the drafter did not
 fill (a short or empty draft) count as 0: proposing nothing earns nothing.
 `be` (block efficiency): accepted / k.
+`bd-cost` (ours): the paper's rewards ignore what a draft costs, so a slow drafter with slightly better alignment
+wins over a free one. This one estimates tokens per unit time: the tokens a round is expected to yield under BD,
+(1 + k * BD) / (k + 1), times the share of the round spent verifying, t_verify / (t_draft + t_verify). A free drafter
+keeps its BD-based value; one whose draft costs as much as the verification is halved.
 """
 
 from __future__ import annotations
@@ -28,9 +32,21 @@ def block_efficiency(accepted: int, k: int) -> float:
     return accepted / k if k > 0 else 0.0
 
 
-def reward(kind: str, p: torch.Tensor, q: torch.Tensor | None, draft: list[int], accepted: int, k: int) -> float:
+def cost_aware(bd: float, k: int, draft_time: float, verify_time: float) -> float:
+    total = draft_time + verify_time
+    speed = verify_time / total if total > 0 else 1.0
+    return (1 + k * bd) / (k + 1) * speed
+
+
+REWARDS = ("bd", "be", "bd-cost")
+
+
+def reward(kind: str, p: torch.Tensor, q: torch.Tensor | None, draft: list[int], accepted: int, k: int,
+           draft_time: float = 0.0, verify_time: float = 1.0) -> float:
     if kind == "bd":
         return block_divergence(p, q, draft, k)
     if kind == "be":
         return block_efficiency(accepted, k)
-    raise ValueError(f"unknown reward {kind!r}; choose 'bd' or 'be'")
+    if kind == "bd-cost":
+        return cost_aware(block_divergence(p, q, draft, k), k, draft_time, verify_time)
+    raise ValueError(f"unknown reward {kind!r}; choose one of {REWARDS}")
