@@ -59,8 +59,8 @@ def test_each_drafter_alone_is_lossless(decoder, cases, drafter):
     assert_lossless(decoder, cases, policy=f"fixed:{drafter}")
 
 
-@pytest.mark.parametrize("policy", ["none", "metasd-ucb", "ucb-be", "exp3", "sequential-halving", "random",
-                                    "round-robin"])
+@pytest.mark.parametrize("policy", ["none", "metasd-ucb", "metasd-ucb-cost", "metasd-fi", "ucb-be", "exp3",
+                                    "sequential-halving", "random", "round-robin"])
 def test_each_policy_over_the_full_pool_is_lossless(decoder, cases, policy):
     assert_lossless(decoder, cases, policy=policy, seed=0)
 
@@ -73,6 +73,20 @@ def test_edge_drafters_accept_everything_or_nothing(decoder, cases):
     never = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="fixed:never").stats
     assert never.drafters()["never"].accepted == 0
     assert never.mean_accepted_tokens == 1.0
+
+
+def test_full_information_scores_free_drafters_without_drafting_with_them(decoder, cases):
+    _, ids, _ = cases[0]
+    generation = decoder.stream(ids, max_new_tokens=MAX_NEW, policy="metasd-fi")
+    for _ in generation:
+        pass
+    drafting_rounds = sum(r.drafter is not None for r in generation.stats.rounds)
+    drafted = generation.stats.drafters()
+    for i, drafter in enumerate(generation.pool):
+        own = drafted[drafter.name].pulls if drafter.name in drafted else 0
+        # free drafters are observed every round, drafting or not; model drafters only when they draft
+        assert generation.policy.pulls[i] == (own if drafter.has_cache else drafting_rounds)
+    assert sum(generation.policy.pulls) > drafting_rounds
 
 
 def test_round_robin_switches_every_round_and_catches_up(decoder, cases):

@@ -242,7 +242,7 @@ def test_every_policy_name_builds(name: str) -> None:
         assert policy is None
         return
     assert policy is not None
-    assert policy.reward == {"ucb-be": "be", "metasd-ucb-cost": "bd-cost"}.get(name, "bd")
+    assert policy.reward == {"ucb-be": "be", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost"}.get(name, "bd")
     arms = run(policy, lambda arm: 0.5, 10)
     assert all(0 <= a < len(DRAFTERS) for a in arms)
     assert sum(policy.pulls) == 10 and len(policy.mean_rewards) == len(DRAFTERS)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cached_model import CachedModel
+from .cached_model import CachedModel, common_prefix
 from .drafters import Draft, Drafter, build_drafter, parse_drafters
 from .models import LoadedModel, load_model
 from .policies import Policy, build_policy
@@ -195,6 +195,8 @@ class Generation:
             if drafter:
                 score = reward(policy.reward, p, draft.q, draft.tokens, verdict.accepted, k, t2 - t1, t3 - t2)
                 policy.update(arm, score)
+                if policy.full_information:
+                    self._hindsight(arm, context, draft.tokens[: verdict.accepted] + [verdict.next_token], k, t3 - t2)
             t4 = time.perf_counter()
             new = draft.tokens[: verdict.accepted] + [verdict.next_token]
             new = new[: self.max_new_tokens - len(self.token_ids)]
@@ -215,3 +217,17 @@ class Generation:
             yield new
             if stop is not None:
                 return
+
+    def _hindsight(self, chosen: int, context: list[int], verified: list[int], k: int, verify_time: float) -> None:
+        """Full-information feedback: score every free drafter on what it would have drafted this round.
+
+        Free drafters (no cache) propose in microseconds, so the bandit need not spend rounds exploring them.
+        """
+        for arm, drafter in enumerate(self.pool):
+            if arm == chosen or drafter.has_cache:
+                continue
+            start = time.perf_counter()
+            tokens = drafter.propose(context, k, self.params, None).tokens
+            matched = common_prefix(tokens, verified)
+            score = reward(self.policy.reward, None, None, tokens, matched, k, time.perf_counter() - start, verify_time)
+            self.policy.update(arm, score)

@@ -16,7 +16,8 @@ import numpy as np
 class Policy(Protocol):
     """What the engine needs: pick an arm, learn from its reward, forget at the start of a request."""
 
-    reward: str  # "bd" (block divergence) or "be" (block efficiency): which reward update() receives
+    reward: str  # which reward update() receives: see metasd.rewards.REWARDS
+    full_information: bool  # also updated, in hindsight, for every free drafter that did not draft the round
     pulls: list[int]
     mean_rewards: list[float]
 
@@ -27,6 +28,8 @@ class Policy(Protocol):
 
 class _ArmStats:
     """Per-arm counts and running means shared by all policies; reset() forgets them."""
+
+    full_information = False
 
     def __init__(self, n_arms: int, reward: str = "bd") -> None:
         if n_arms < 1:
@@ -59,8 +62,9 @@ class _ArmStats:
 class UCB(_ArmStats):
     """MetaSD-UCB: optimism in the face of uncertainty; beta scales the exploration bonus (0 = greedy)."""
 
-    def __init__(self, n_arms: int, beta: float = 1.0, reward: str = "bd") -> None:
+    def __init__(self, n_arms: int, beta: float = 1.0, reward: str = "bd", full_information: bool = False) -> None:
         self.beta = beta
+        self.full_information = full_information
         super().__init__(n_arms, reward)
 
     def select(self) -> int:
@@ -183,14 +187,14 @@ class Fixed(_ArmStats):
 
 
 POLICY_NAMES: tuple[str, ...] = (
-    "metasd-ucb", "metasd-ucb-cost", "ucb-be", "exp3", "sequential-halving", "random", "round-robin", "none"
+    "metasd-ucb", "metasd-ucb-cost", "metasd-fi", "ucb-be", "exp3", "sequential-halving", "random", "round-robin",
+    "none",
 )
-_UCB_REWARDS = {"metasd-ucb": "bd", "metasd-ucb-cost": "bd-cost", "ucb-be": "be"}
+_UCB_REWARDS = {"metasd-ucb": "bd", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost", "ucb-be": "be"}
 _DEFAULTS: dict[str, float] = {**dict.fromkeys(_UCB_REWARDS, 1.0), "exp3": 0.1, "sequential-halving": 64}
 _CHOICES = (
-    "metasd-ucb[:BETA], metasd-ucb-cost[:BETA], ucb-be[:BETA], exp3[:GAMMA], sequential-halving[:BUDGET], "
-    "random, round-robin, "
-    "fixed:<drafter>, none"
+    "metasd-ucb[:BETA], metasd-ucb-cost[:BETA], metasd-fi[:BETA], ucb-be[:BETA], exp3[:GAMMA], "
+    "sequential-halving[:BUDGET], random, round-robin, fixed:<drafter>, none"
 )
 
 
@@ -235,4 +239,4 @@ def build_policy(name: str, drafter_names: Sequence[str], seed: int | None = Non
         return SequentialHalving(k, int(value))
     if value < 0:
         raise ValueError(f"policy {name!r}: beta must be >= 0")
-    return UCB(k, value, reward=_UCB_REWARDS[base])
+    return UCB(k, value, reward=_UCB_REWARDS[base], full_information=base == "metasd-fi")

@@ -9,6 +9,8 @@ fill (a short or empty draft) count as 0: proposing nothing earns nothing.
 wins over a free one. This one estimates tokens per unit time: the tokens a round is expected to yield under BD,
 (1 + k * BD) / (k + 1), times the share of the round spent verifying, t_verify / (t_draft + t_verify). A free drafter
 keeps its BD-based value; one whose draft costs as much as the verification is halved.
+`be-cost` (ours): the same with the tokens the round did yield, (1 + accepted) / (k + 1). Unlike BD it can be
+computed in hindsight for a drafter that did not draft, from the verified tokens alone (full-information feedback).
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ def block_efficiency(accepted: int, k: int) -> float:
     return accepted / k if k > 0 else 0.0
 
 
-def cost_aware(bd: float, k: int, draft_time: float, verify_time: float) -> float:
+def per_time(tokens: float, k: int, draft_time: float, verify_time: float) -> float:
+    """Tokens a round yields, as a share of the k + 1 possible, per unit of round time measured in verifications."""
     total = draft_time + verify_time
-    speed = verify_time / total if total > 0 else 1.0
-    return (1 + k * bd) / (k + 1) * speed
+    return tokens / (k + 1) * (verify_time / total if total > 0 else 1.0)
 
 
-REWARDS = ("bd", "be", "bd-cost")
+REWARDS = ("bd", "be", "bd-cost", "be-cost")
 
 
 def reward(kind: str, p: torch.Tensor, q: torch.Tensor | None, draft: list[int], accepted: int, k: int,
@@ -48,5 +50,7 @@ def reward(kind: str, p: torch.Tensor, q: torch.Tensor | None, draft: list[int],
     if kind == "be":
         return block_efficiency(accepted, k)
     if kind == "bd-cost":
-        return cost_aware(block_divergence(p, q, draft, k), k, draft_time, verify_time)
+        return per_time(1 + k * block_divergence(p, q, draft, k), k, draft_time, verify_time)
+    if kind == "be-cost":
+        return per_time(1 + accepted, k, draft_time, verify_time)
     raise ValueError(f"unknown reward {kind!r}; choose one of {REWARDS}")
