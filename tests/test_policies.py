@@ -310,3 +310,16 @@ def test_build_policy_errors_list_choices() -> None:
         if name != "none":
             with pytest.raises(ValueError, match="at least one drafter"):
                 build_policy(name, [])
+
+
+def test_hindsight_observations_do_not_inflate_exploration() -> None:
+    """Free observations update means and counts but not t, so an unobserved arm's bonus does not grow with them."""
+    policy = build_policy("metasd-fi", ["ngram", "suffix", "early-exit"], seed=0)
+    assert policy is not None and policy.full_information
+    policy.update(2, 0.1)  # the costly arm drafted once and did poorly
+    for _ in range(200):  # the free arms are scored every round without drafting
+        policy.observe(0, 0.3)
+        policy.observe(1, 0.2)
+    assert policy.rounds == 1 and policy.pulls == [200, 200, 1]
+    assert policy.mean_rewards[0] == pytest.approx(0.3)
+    assert policy.select() == 0  # t = 1: no bonus yet, the best observed mean wins

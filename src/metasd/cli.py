@@ -24,6 +24,8 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-len", type=int, default=5, help="k, tokens drafted per round (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype; compare methods only at the same dtype (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice); 1 is far faster on a busy machine")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,12 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def build_decoder(args: argparse.Namespace, **extra):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     from .engine import Decoder
 
     return Decoder(target=args.target, drafters=args.drafters, policy=args.policy, draft_len=args.draft_len,
@@ -71,7 +79,7 @@ def _generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = list(_prompts(args))  # a malformed file fails before the models load
-    decoder = build_decoder(args)
+    decoder = build_decoder(args, policy_scope=args.policy_scope)
     for prompt in prompts:
         result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, raw=args.raw)
@@ -94,6 +102,35 @@ def _summary(stats) -> str:
     return "\n".join(lines)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: completions, chat, SSE streaming, /metrics")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    srv.add_argument("--api-key", default=os.environ.get("METASD_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $METASD_API_KEY, else none)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait behind the one decoding; more get 429 (default: %(default)s)")
+    srv.add_argument("--policy-scope", choices=["request", "server"], default="request",
+                     help="reset policy statistics per request or keep learning across them (default: %(default)s)")
+    add_decoder_args(srv)
+    srv.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.api_key == "":
+        raise ValueError("--api-key is empty; give a real key or leave it out")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"metasd: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    from .server import serve
+
+    serve(build_decoder(args, policy_scope=args.policy_scope), host=args.host, port=args.port, api_key=args.api_key,
+          max_queue=args.max_queue)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="metasd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,9 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--prompt-file", help='JSONL, one {"prompt": ...} a line; one result a line')
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--policy-scope", choices=["request", "server"], default="request",
+                     help="reset the policy per prompt (as the paper) or keep learning across the prompts of a "
+                          "--prompt-file (default: %(default)s)")
     add_decoder_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(handler=_generate)
+    _add_serve(sub)
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -230,4 +230,4 @@ class Generation:
             tokens = drafter.propose(context, k, self.params, None).tokens
             matched = common_prefix(tokens, verified)
             score = reward(self.policy.reward, None, None, tokens, matched, k, time.perf_counter() - start, verify_time)
-            self.policy.update(arm, score)
+            self.policy.observe(arm, score)

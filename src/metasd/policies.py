@@ -23,6 +23,7 @@ class Policy(Protocol):
 
     def select(self) -> int: ...
     def update(self, arm: int, reward: float) -> None: ...
+    def observe(self, arm: int, reward: float) -> None: ...  # a hindsight reward for an arm that did not play
     def reset(self) -> None: ...
 
 
@@ -46,8 +47,13 @@ class _ArmStats:
     def update(self, arm: int, reward: float) -> None:
         self._record(arm, reward)
 
-    def _record(self, arm: int, reward: float) -> float:
-        """Validate and record one round; returns the reward clipped to [0, 1]."""
+    def observe(self, arm: int, reward: float) -> None:
+        """Learn an arm's reward without a round played: t in UCB's bonus counts selections only, or the arms
+        that are never observed for free would get an exploration bonus that grows with every free observation."""
+        self._record(arm, reward, played=False)
+
+    def _record(self, arm: int, reward: float, played: bool = True) -> float:
+        """Validate and record one observation; returns the reward clipped to [0, 1]."""
         if not 0 <= arm < self.n_arms:
             raise ValueError(f"arm {arm} out of range for {self.n_arms} drafters")
         if not -1e-9 <= reward <= 1 + 1e-9:  # tolerate float round-off only; NaN fails here too
@@ -55,7 +61,7 @@ class _ArmStats:
         reward = min(max(reward, 0.0), 1.0)
         self.pulls[arm] += 1
         self.mean_rewards[arm] += (reward - self.mean_rewards[arm]) / self.pulls[arm]
-        self.rounds += 1
+        self.rounds += played
         return reward
 
 
@@ -71,7 +77,7 @@ class UCB(_ArmStats):
         for arm, n in enumerate(self.pulls):
             if n == 0:  # every arm once first, in index order
                 return arm
-        bonus = np.sqrt(2.0 * math.log(self.rounds) / np.asarray(self.pulls, dtype=float))
+        bonus = np.sqrt(2.0 * math.log(max(self.rounds, 1)) / np.asarray(self.pulls, dtype=float))
         return int(np.argmax(np.asarray(self.mean_rewards) + self.beta * bonus))  # argmax: ties -> lowest index
 
 

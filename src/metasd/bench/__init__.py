@@ -1,0 +1,11 @@
+"""`metasd bench`: Spec-Bench questions through every method, with oracles, a report and plots.
+
+questions.py loads and selects questions; methods.py names what is measured; runners.py runs one method on one
+question; history.py keeps cross-request drafter state equal for all methods; oracles.py holds the hindsight
+oracle and regret; metrics.py the arithmetic; summary.py, answers.py, report.py and plots.py write the outputs;
+run.py ties them together and cli.py parses the subcommand.
+"""
+
+from .run import BenchConfig, run_bench
+
+__all__ = ["BenchConfig", "run_bench"]

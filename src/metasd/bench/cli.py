@@ -1,0 +1,105 @@
+"""The `metasd bench` subcommand: argument parsing only; the work is in run.py."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from .presets import PRESETS, QUICK
+
+DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"
+DEFAULT_DRAFTERS = "ngram,suffix,early-exit"
+
+
+def _list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench", help="Spec-Bench speed benchmark: every method side by side, oracles, report and plots",
+        description="Measure ar, the transformers anchors, every fixed drafter, the policies and the oracles on "
+                    "Spec-Bench questions (greedy), check every output against ar, and write summary.json, "
+                    "report.md, answers/<method>.jsonl and PNG plots into --out.")
+    p.add_argument("--questions", default=DEFAULT_QUESTIONS,
+                   help="Spec-Bench question.jsonl (default: %(default)s)")
+    p.add_argument("--categories", type=_list, default=None,
+                   help="comma-separated groups (mt_bench, translation, summarization, qa, math_reasoning, rag) "
+                        "or MT-bench categories (writing, coding, ...); default: all")
+    p.add_argument("--per-category", type=int, default=None, help="questions per category (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default: 128; --quick: 64)")
+    p.add_argument("--methods", type=_list, default=None,
+                   help="comma-separated subset of ar, hf-ar, hf-pld, hf-assisted, fixed:<drafter>, metasd-ucb, "
+                        "ucb-be, exp3, sequential-halving, random, round-robin, oracle-round, oracle-category "
+                        "(default: all that apply; ar is always run)")
+    p.add_argument("--drafters", default=None, help=f"comma-separated pool (default: {DEFAULT_DRAFTERS})")
+    p.add_argument("--target", default=None, help="hub id, directory or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--draft-len", type=int, default=5, help="k, tokens drafted per round (default: %(default)s)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model dtype (default: float32; qwen-coder preset: bfloat16)")
+    p.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the randomised policies (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--policy-scope", choices=["request", "server"], default="request",
+                   help="request: every policy starts afresh each turn; server: it keeps learning across questions "
+                        "(default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"1 question per Spec-Bench group, {QUICK['max_new_tokens']} new tokens, every method "
+                        "(about 10 minutes on 2 cores)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="qwen-coder: Qwen2.5-Coder-1.5B target + 0.5B lm: drafter beside ngram, suffix, early-exit")
+    p.add_argument("--models-dir", default=None,
+                   help="where the qwen-coder pair lives (default: $METASD_MODELS or ~/.cache/metasd-models)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up call of each method")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=bench_command, bench_parser=p)
+    return p
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The bench command as given, rebuilt from the options that differ from their defaults."""
+    parser: argparse.ArgumentParser = args.bench_parser
+    words = ["metasd", "bench"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        value = getattr(args, action.dest, None)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(flag)
+        else:
+            words += [flag, ",".join(value) if isinstance(value, list) else str(value)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def bench_command(args: argparse.Namespace) -> None:
+    from .presets import preset
+    from .run import BenchConfig, run_bench
+
+    settings: dict = {"drafters": DEFAULT_DRAFTERS, "dtype": "float32", "max_new_tokens": 128}
+    extra: dict = {}
+    if args.quick:
+        settings.update(QUICK)
+        extra["quick"] = True
+    if args.preset:
+        settings.update(preset(args.preset, args.models_dir))
+        extra["preset"] = args.preset
+    explicit = {"categories": args.categories, "per_category": args.per_category,
+                "max_new_tokens": args.max_new_tokens, "drafters": args.drafters, "target": args.target,
+                "dtype": args.dtype}
+    settings.update({key: value for key, value in explicit.items() if value is not None})
+    cfg = BenchConfig(questions=args.questions, out=args.out, methods=args.methods, draft_len=args.draft_len,
+                      seed=args.seed, threads=args.threads, policy_scope=args.policy_scope,
+                      warmup=not args.no_warmup,
+                      progress=not args.no_progress, plots=not args.no_plots,
+                      command=command_line(args), extra=extra, **settings)
+    summary = run_bench(cfg)
+    overall = {m: e["overall"] for m, e in summary["methods"].items()}
+    print(f"wrote {cfg.out}/summary.json, report.md, answers/ and {len(summary['plots'])} plots", file=sys.stderr)
+    for method, o in overall.items():
+        print(f"{method:<28} speedup {o['speedup']:.2f}  mean accepted tokens {o['mean_accepted_tokens']:.2f}  "
+              f"mismatches {o['mismatches']}")

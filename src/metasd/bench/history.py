@@ -1,0 +1,40 @@
+"""Cross-request drafter state, kept identical for every method measured on a question.
+
+Some drafters learn across requests (the suffix drafter indexes earlier outputs). Methods are interleaved per
+question, so without care the second method on a question would find the first method's answer to that very
+question in the index and draft it back almost perfectly. Instead, before each method runs on question i, the
+model-free drafters are restored to one snapshot: "has served the reference (`ar`) answers of questions 0..i-1".
+Drafters with a model cache (`has_cache`) keep no state across requests (their `begin` resets it) and are left alone.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+from ..sampling import SamplingParams
+
+
+class DrafterHistory:
+    def __init__(self, drafters: dict):
+        self.stateful = {name: d for name, d in drafters.items() if not getattr(d, "has_cache", True)}
+        self._snapshot = self._capture()
+
+    def _capture(self) -> dict[str, bytes]:
+        return {name: pickle.dumps(d.__dict__, protocol=pickle.HIGHEST_PROTOCOL) for name, d in self.stateful.items()}
+
+    def restore(self) -> None:
+        """Put every model-free drafter back to the current snapshot."""
+        for name, d in self.stateful.items():
+            state = pickle.loads(self._snapshot[name])
+            d.__dict__.clear()
+            d.__dict__.update(state)
+
+    def advance(self, turns: list[tuple[list[int], list[int]]]) -> None:
+        """The snapshot plus one served request per (prompt ids, output ids): what the next question starts from."""
+        self.restore()
+        params = SamplingParams()
+        for prompt, output in turns:
+            for d in self.stateful.values():
+                d.begin(list(prompt))
+                d.propose(list(prompt) + list(output), 0, params, None)  # k = 0: index the full context, draft nothing
+        self._snapshot = self._capture()

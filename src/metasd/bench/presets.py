@@ -1,0 +1,43 @@
+"""Named settings for `metasd bench`: what `--quick` and `--preset qwen-coder` fill in.
+
+Explicit command-line options always win over a preset's values.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .questions import GROUPS
+
+# One question per Spec-Bench group (MT-bench's is two turns), short answers, every method: about 6-8 minutes on a
+# quiet 2-core machine with the embedded SmolLM2-135M target and the default pool.
+QUICK = {"categories": list(GROUPS), "per_category": 1, "max_new_tokens": 64}
+
+QWEN_TARGET = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_DRAFTER = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+PAIR_SCRIPT = "../shared/models/qwen-coder-pair.sh"
+PRESETS = ("qwen-coder",)
+
+
+def default_models_dir() -> Path:
+    return Path(os.environ.get("METASD_MODELS", "~/.cache/metasd-models")).expanduser()
+
+
+def qwen_coder(models_dir: str | Path | None = None) -> dict:
+    """Qwen2.5-Coder-1.5B-Instruct target with the 0.5B as an lm: drafter beside ngram, suffix and early-exit."""
+    root = Path(models_dir).expanduser() if models_dir else default_models_dir()
+    target, drafter = root / QWEN_TARGET, root / QWEN_DRAFTER
+    missing = [p for p in (target, drafter) if not p.is_file()]
+    if missing:
+        raise ValueError(
+            f"--preset qwen-coder: {', '.join(str(p) for p in missing)} not found; assemble the pair with "
+            f"`bash {PAIR_SCRIPT} {root}` (about 40 s and 3.5 GB of disk), or pass --models-dir"
+        )
+    return {"target": str(target), "drafters": f"ngram,suffix,early-exit,lm:{drafter}", "dtype": "bfloat16"}
+
+
+def preset(name: str, models_dir: str | Path | None = None) -> dict:
+    if name == "qwen-coder":
+        return qwen_coder(models_dir)
+    raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")

@@ -1,0 +1,133 @@
+"""`report.md`: the tables a reader needs, all taken from summary.json."""
+
+from __future__ import annotations
+
+from .methods import is_policy, label
+
+
+def _fmt(x, digits: int = 2, pct: bool = False) -> str:
+    if x is None:
+        return "–"
+    if pct:
+        return f"{100 * x:.{digits}f}%"
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"
+    lines = ["| " + " | ".join(header) + " |", rule]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines + [""]
+
+
+def _per_group(summary: dict, key: str, digits: int = 2) -> list[str]:
+    groups = summary["groups"]
+    rows = []
+    for method, entry in summary["methods"].items():
+        cells = [_fmt(entry["groups"][g][key], digits) for g in groups] + [_fmt(entry["overall"][key], digits)]
+        rows.append([f"`{label(method)}`", *cells])
+    return _table(["method", *groups, "overall"], rows)
+
+
+def render(summary: dict, plots: list[str]) -> str:
+    c = summary["config"]
+    methods = summary["methods"]
+    out = ["# metasd bench", ""]
+    pool = ", ".join(f"`{label(d)}`" for d in c["drafters"])
+    out += [f"- command: `{c['command']}`" if c.get("command") else "",
+            f"- target `{c['target']}`, dtype {c['dtype']}, drafters {pool}, "
+            f"draft length k = {c['draft_len']}, max new tokens {c['max_new_tokens']}, greedy",
+            f"- {len(summary['questions'])} questions ({c['turns']} turns) from `{c['questions_file']}`: "
+            + ", ".join(f"{g} {sum(q['group'] == g for q in summary['questions'])}" for g in summary["groups"]),
+            f"- {c['threads']} torch threads on {c['cpus']} CPUs; torch {c['torch']}, "
+            f"transformers {c['transformers']}; seed {c['seed']}; policy scope {c['policy_scope']}",
+            f"- run wall time {c['wall_time_s']:.0f} s (model load {c['load_s']:.0f} s, warm-up {c['warmup_s']:.0f} s, "
+            f"measured runs and oracle tables {c['measure_s']:.0f} s); load average at start / end "
+            f"{c['loadavg_start']} / {c['loadavg_end']} (other processes on the machine skew absolute speeds)",
+            ""]
+    corr = summary["correctness"]
+    out += ["## Correctness", "",
+            f"Greedy outputs of every method compared token for token with `ar`: {corr['compared_turns']} turns, "
+            f"**{corr['mismatches']} mismatches**.", ""]
+    if corr["details"]:
+        out += _table(["method", "question", "turn", "first differing token", "tokens", "ar tokens"],
+                      [[f"`{label(d['method'])}`", str(d["question_id"]), str(d["turn"]), str(d["first_difference"]),
+                        str(d["tokens"]), str(d["reference_tokens"])] for d in corr["details"]])
+    out += ["## Speedup over `ar`", "", "Spec-Bench's definition: mean tokens/s of the method over `ar`'s on the same "
+            "questions.", ""] + _per_group(summary, "speedup")
+    out += ["## Mean accepted tokens", "", "Tokens per target forward (accepted draft tokens + 1), pooled over rounds.",
+            ""] + _per_group(summary, "mean_accepted_tokens")
+    out += ["## Tokens per second", ""] + _per_group(summary, "tokens_per_second", 1)
+
+    choice = summary["oracle_category"]["choice"]
+    if choice:
+        out += ["## Oracles", "", "`oracle-category` takes, per group, the fixed drafter with the best tokens/s there: "
+                + ", ".join(f"{g} → `{label(m)}`" for g, m in choice.items()) + ".", ""]
+    hind = summary["oracle_round"]["hindsight"].get("overall")
+    if hind and "oracle-round" in methods:
+        out += ["`oracle-round` picks, every round, the drafter with the longest accepted prefix at the true context "
+                f"(hindsight walk: {hind['rounds']} rounds, mean accepted tokens {hind['mean_accepted_tokens']:.2f}); "
+                "its row above is the replay of those choices through the engine, timed. It maximises accepted "
+                "tokens, not speed: a slow drafter that wins by one token can make it slower than `oracle-category`.",
+                ""]
+    shares = summary["shares"]
+    if shares:
+        header = ["method", "speedup", "of oracle-category", "of oracle-round", "mean acc. tokens",
+                  "of oracle-round MAT", "regret / round", "extra rounds vs oracle"]
+        rows = []
+        for method, row in shares.items():
+            o = methods[method]["overall"]
+            oc = row.get("oracle-category", {}).get("overall", {})
+            orr = row.get("oracle-round", {}).get("overall", {})
+            rows.append([f"`{label(method)}`", _fmt(o["speedup"]), _fmt(oc.get("speedup"), 1, True),
+                         _fmt(orr.get("speedup"), 1, True), _fmt(o["mean_accepted_tokens"]),
+                         _fmt(orr.get("mean_accepted_tokens"), 1, True), _fmt(o.get("regret_per_round")),
+                         _fmt(o.get("extra_rounds_vs_oracle"))])
+        out += ["## Share of the oracles each policy reaches (overall)", "",
+                "Regret per round: the best drafter's accepted length at that round's position minus the chosen "
+                "drafter's (tokens). Extra rounds: target forwards beyond the oracle's hindsight walk.", ""]
+        out += _table(header, rows)
+        groups = summary["groups"]
+        for oracle in ("oracle-category", "oracle-round"):
+            policy_rows = [[f"`{label(m)}`", *(_fmt(r[oracle][g]["speedup"], 1, True) for g in groups),
+                            _fmt(r[oracle]["overall"]["speedup"], 1, True)]
+                           for m, r in shares.items() if is_policy(m) and oracle in r]
+            if policy_rows:
+                out += [f"Share of `{oracle}`'s speedup per group:", ""]
+                out += _table(["policy", *groups, "overall"], policy_rows)
+
+    drafters = c["drafters"]
+    engine_rows = []
+    for m, e in methods.items():
+        o = e["overall"]
+        if o["switches"] is None or m == "oracle-category":
+            continue
+        picked = sum(o["drafter_rounds"].values())
+        shares = [_fmt(o["drafter_rounds"].get(d, 0) / picked, 0, True) if picked else "–" for d in drafters]
+        engine_rows.append([f"`{label(m)}`", _fmt(o["rounds"]), *shares, _fmt(o["switches"]),
+                            _fmt(o["catch_up_tokens"]), _fmt(o["draft_time_share"], 1, True),
+                            _fmt(o["verify_time_share"], 1, True), _fmt(o["policy_overhead"], 3, True),
+                            _fmt(o.get("oracle_table_disagreements"))])
+    out += ["## Engine bookkeeping (overall)", "",
+            "Drafter columns: share of drafting rounds given to each drafter. Draft / verify / policy: share of wall "
+            "time spent drafting (catch-up included), in the target's forward, and in select/update/reward. Table "
+            "disagreements: rounds where the engine's acceptance differs from the oracle table's (float numerics of "
+            "a drafter's cache), expected 0.", ""]
+    out += _table(["method", "rounds", *(f"{label(d)}" for d in drafters), "switches", "catch-up tokens", "draft",
+                   "verify", "policy", "table disagreements"], engine_rows)
+
+    rewards = summary["reward_stats"]
+    if rewards:
+        rows = [[f"`{label(d)}`", _fmt(s["bd"]["n"]), _fmt(s["bd"]["mean"], 3), _fmt(s["bd"]["var"], 4),
+                 _fmt(s["bd"]["zero_rate"], 1, True), _fmt(s["be"]["mean"], 3), _fmt(s["be"]["var"], 4),
+                 _fmt(s["be"]["zero_rate"], 1, True)] for d, s in rewards.items()]
+        out += ["## Reward statistics per drafter (the paper's Table 2)", "",
+                "From each drafter's fixed run: BD (block divergence, the mean of 1 − TV over the k drafted positions) "
+                "and BE (block efficiency, accepted / k) of the same rounds. Zero: reward ≤ 1e-6.", ""]
+        out += _table(["drafter", "rounds", "BD mean", "BD var", "BD zero", "BE mean", "BE var", "BE zero"], rows)
+
+    if plots:
+        out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(line for line in out) + "\n"

@@ -1,0 +1,208 @@
+"""Run one method on one question (all its turns) and record what the timing and the report need.
+
+Every method gets the same prompt ids for turn 1; from turn 2 on the chat history holds the method's own earlier
+answers, as Spec-Bench does (greedy decoding is lossless, so they equal `ar`'s unless something is wrong, which
+the mismatch count then shows). Wall time is measured around the one call that turns prompt ids into output ids,
+the same way for the engine and for transformers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..stats import Round
+from .questions import Question
+
+
+@dataclass
+class TurnRecord:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    wall_time: float
+    accept_lengths: list[int]  # tokens gained per target forward, one entry per round (Spec-Bench's convention)
+    rounds: list[Round] | None = None  # the engine's round log; None for transformers anchors
+    finish_reason: str = ""
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class QuestionRecord:
+    question: Question
+    turns: list[TurnRecord] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(t.new_tokens for t in self.turns)
+
+    @property
+    def wall_time(self) -> float:
+        return sum(t.wall_time for t in self.turns)
+
+
+TurnRunner = Callable[[list[int], int], TurnRecord]  # (prompt ids, turn index) -> record
+
+
+def run_question(decoder, question: Question, run_turn: TurnRunner) -> QuestionRecord:
+    """Ask each turn with the earlier turns and this method's own answers in the history."""
+    record = QuestionRecord(question)
+    messages: list[dict] = []
+    for index, text in enumerate(question.turns):
+        messages.append({"role": "user", "content": text})
+        ids = decoder.encode(messages)
+        try:
+            turn = run_turn(ids, index)
+        except ValueError as err:
+            raise ValueError(f"question {question.question_id} turn {index + 1}: {err}") from err
+        record.turns.append(turn)
+        messages.append({"role": "assistant", "content": turn.text})
+    return record
+
+
+def engine_turn(decoder, policy: str, max_new_tokens: int, seed: int | None,
+                bind: Callable[[object], None] | None = None) -> TurnRunner:
+    """A turn through metasd's Decoder with one policy (`none` for `ar`, `fixed:<d>`, a bandit).
+
+    `bind` receives the Generation before its first round; the oracle replay uses it to swap in its scripted policy.
+    """
+
+    def run(ids: list[int], turn: int) -> TurnRecord:
+        start = time.perf_counter()
+        generation = decoder.stream(ids, max_new_tokens=max_new_tokens, temperature=0.0, seed=seed, policy=policy)
+        if bind is not None:
+            bind(generation)
+        for _ in generation:
+            pass
+        wall = time.perf_counter() - start
+        result = generation.result()
+        rounds = list(result.stats.rounds)
+        return TurnRecord(list(ids), list(result.token_ids), result.text, wall,
+                          [r.accepted + 1 for r in rounds], rounds, result.finish_reason)
+
+    return run
+
+
+class _RoundCounter:
+    """A transformers streamer that records how many tokens each target forward added (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.sizes.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+def hf_turn(decoder, mode: str, max_new_tokens: int, draft_len: int, assistant: torch.nn.Module | None = None,
+            max_ngram: int = 3) -> TurnRunner:
+    """A turn through transformers' own `generate` on the same target weights, greedy.
+
+    mode `ar`: plain greedy; `pld`: prompt lookup (`prompt_lookup_num_tokens=draft_len`, n-grams up to `max_ngram`);
+    `assisted`: `assistant_model` drafting a constant `draft_len` tokens a round (no confidence cut-off), i.e. the
+    same algorithm as `fixed:lm:...` in metasd.
+    """
+    if mode not in ("ar", "pld", "assisted"):
+        raise ValueError(f"unknown transformers mode {mode!r}")
+    if mode == "assisted" and assistant is None:
+        raise ValueError("hf-assisted needs an assistant model (an lm: drafter)")
+    model = decoder.target.model
+    eos = sorted(decoder.target.eos_token_ids)
+    pad = eos[0] if eos else decoder.tokenizer.pad_token_id
+
+    def run(ids: list[int], turn: int) -> TurnRecord:
+        if len(ids) + max_new_tokens > decoder.target.max_length:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's context of {decoder.target.max_length} tokens")
+        input_ids = torch.tensor([ids])
+        counter = _RoundCounter()
+        kwargs: dict = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                            do_sample=False, pad_token_id=pad, streamer=counter)
+        restore: dict = {}
+        if mode == "pld":
+            kwargs.update(prompt_lookup_num_tokens=draft_len, max_matching_ngram_size=max_ngram)
+        elif mode == "assisted":
+            config = assistant.generation_config
+            wanted = {"num_assistant_tokens": draft_len, "num_assistant_tokens_schedule": "constant",
+                      "assistant_confidence_threshold": 0.0}
+            restore = {key: getattr(config, key, None) for key in wanted}
+            for key, value in wanted.items():
+                setattr(config, key, value)
+            kwargs["assistant_model"] = assistant
+        try:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(input_ids, **kwargs)
+            wall = time.perf_counter() - start
+        finally:
+            for key, value in restore.items():
+                setattr(assistant.generation_config, key, value)
+        tokens = out[0, len(ids):].tolist()
+        stop = next((i for i, t in enumerate(tokens) if t in decoder.target.eos_token_ids), None)
+        finish = "stop" if stop is not None else "length"
+        if sum(counter.sizes) != len(tokens):  # the streamer is how rounds are counted: never guess them
+            raise RuntimeError(f"transformers streamed {sum(counter.sizes)} tokens but returned {len(tokens)}; "
+                               "cannot count its rounds")
+        return TurnRecord(list(ids), tokens, decoder.decode(tokens), wall, counter.sizes, None, finish)
+
+    return run
+
+
+class ScriptedPolicy:
+    """Replays a hindsight choice: at each round, the drafter `choose(position)` names for the current position.
+
+    It plugs into a Generation like any policy (select / update / reset); `bind` gives it the Generation so it can
+    read how many tokens are out. The choice costs a list lookup, so the replay times the drafting and verification
+    the oracle's choices cause, not the hindsight search.
+    """
+
+    reward = "bd"
+    full_information = False
+
+    def __init__(self, n_arms: int, choose: Callable[[int], int]):
+        self.n_arms = n_arms
+        self.choose = choose
+        self.generation = None
+        self.reset()
+
+    def bind(self, generation) -> None:
+        if not hasattr(generation, "policy") or not hasattr(generation, "token_ids"):
+            raise RuntimeError("the engine's Generation no longer exposes policy/token_ids: update ScriptedPolicy")
+        generation.policy = self
+        self.generation = generation
+
+    def reset(self) -> None:
+        self.pulls = [0] * self.n_arms
+        self.mean_rewards = [0.0] * self.n_arms
+
+    def select(self) -> int:
+        return self.choose(len(self.generation.token_ids))
+
+    def update(self, arm: int, reward: float) -> None:
+        self.pulls[arm] += 1
+        self.mean_rewards[arm] += (reward - self.mean_rewards[arm]) / self.pulls[arm]
+
+
+def oracle_turn(decoder, choices: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None) -> TurnRunner:
+    """Replay `choices[turn][position]` (the best drafter at each position of the reference) through the engine."""
+    names = decoder.drafter_names
+
+    def run(ids: list[int], turn: int) -> TurnRecord:
+        table = choices[turn]
+        policy = ScriptedPolicy(len(names), lambda pos: table[pos] if pos < len(table) else 0)
+        # any drafter policy validates the request; the scripted one replaces it before the first round
+        return engine_turn(decoder, f"fixed:{names[0]}", max_new_tokens, seed, bind=policy.bind)(ids, turn)
+
+    return run
