@@ -197,7 +197,10 @@ POLICY_NAMES: tuple[str, ...] = (
     "none",
 )
 _UCB_REWARDS = {"metasd-ucb": "bd", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost", "ucb-be": "be"}
-_DEFAULTS: dict[str, float] = {**dict.fromkeys(_UCB_REWARDS, 1.0), "exp3": 0.1, "sequential-halving": 64}
+# beta 1 is the paper's. Ours default to 0.1: a request is ~50 rounds and reward gaps are ~0.1, so beta 1 spends most
+# of a request exploring a slow drafter (measured with `metasd bench --quick`, see README "Beyond the paper").
+_DEFAULTS: dict[str, float] = {"metasd-ucb": 1.0, "ucb-be": 1.0, "metasd-ucb-cost": 0.1, "metasd-fi": 0.1,
+                               "exp3": 0.1, "sequential-halving": 64}
 _CHOICES = (
     "metasd-ucb[:BETA], metasd-ucb-cost[:BETA], metasd-fi[:BETA], ucb-be[:BETA], exp3[:GAMMA], "
     "sequential-halving[:BUDGET], random, round-robin, fixed:<drafter>, none"
