@@ -111,6 +111,9 @@ class Copier:
     def begin(self, prompt: list[int]) -> None:
         pass
 
+    def end(self, context: list[int]) -> None:
+        pass
+
     def propose(self, context, k, params, generator) -> Draft:
         pos = len(context) - self.prompt_len
         return Draft(self.reference[pos : pos + k])
@@ -126,6 +129,9 @@ class Constant:
         self.calls = 0
 
     def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def end(self, context: list[int]) -> None:
         pass
 
     def propose(self, context, k, params, generator) -> Draft:
@@ -160,7 +166,7 @@ def test_history_gives_every_method_the_same_suffix_index() -> None:
     suffix.begin([3, 11])
     assert suffix.propose([3, 11], 4, params, None).tokens == [12, 13, 14, 15]
     suffix.begin([3, 21])  # a method's own run of question 1 (output 22 23 24) pollutes the index ...
-    suffix.propose([3, 21, 22, 23, 24], 0, params, None)
+    suffix.end([3, 21, 22, 23, 24])
     suffix.begin([5])
     assert suffix.propose([5, 22], 2, params, None).tokens == [23, 24]
     history.restore()  # ... and the next method starts from the same snapshot again

@@ -26,8 +26,8 @@ def test_suffix_follows_most_frequent_continuation_and_learns_across_requests():
     ctx = [5, 6, 5, 6, 4, 5, 7, 0, 4, 5]
     assert d.propose(ctx, 1, GREEDY, None).tokens == [7]
     assert d.propose(ctx + [8], 2, GREEDY, None).tokens == []  # 8 was never seen
-    # the generated part of this request ([5, 6, 5, 6, 4, 5, 7, 0, 4, 5, 8, 3] minus the prompt) joins the history
-    d.propose(ctx + [8, 3], 1, GREEDY, None)
+    # the request ends: its generated part (the context minus the 2-token prompt) joins the history
+    d.end(ctx + [8, 3])
     d.begin([42])
     assert d.propose([42, 8], 1, GREEDY, None).tokens == [3]  # learned in the previous request
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from metasd import Decoder, Draft
+from metasd.drafters.ngram import NgramDrafter
+from metasd.drafters.suffix import SuffixDrafter
 from metasd.sampling import SamplingParams
 
 CATEGORIES = ["writing", "roleplay", "coding", "math", "extraction",
@@ -22,6 +24,9 @@ class NeverAgrees:
     has_cache = False
 
     def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def end(self, context: list[int]) -> None:
         pass
 
     def propose(self, context, k, params: SamplingParams, generator) -> Draft:
@@ -98,6 +103,22 @@ def test_round_robin_switches_every_round_and_catches_up(decoder, cases):
     assert stats.switches == len(drafted) - 1
 
 
+def test_suffix_history_holds_whole_outputs_even_rounds_it_sat_out(embedded):
+    suffix = SuffixDrafter()
+    decoder = Decoder(drafters=[NgramDrafter(), suffix], draft_len=4)
+    prompt = "Write a haiku about autumn leaves."
+    first = decoder.generate(prompt, max_new_tokens=MAX_NEW, policy="fixed:ngram")  # suffix never drafts
+    assert suffix._outputs == [first.token_ids]
+    again = decoder.generate(prompt, max_new_tokens=MAX_NEW, policy="fixed:suffix")
+    assert again.token_ids == first.token_ids
+    assert again.stats.mean_accepted_tokens > 3.0  # it drafts the earlier answer back (k + 1 = 5 at best)
+    generation = decoder.stream("Name three colours.", max_new_tokens=MAX_NEW, policy="fixed:ngram")
+    rounds = iter(generation)
+    next(rounds), next(rounds)
+    rounds.close()  # a consumer that stops early (a client disconnect): the partial output still counts
+    assert suffix._outputs[-1] == generation.token_ids and len(generation.token_ids) >= 2
+
+
 def test_generation_stops_at_eos_where_generate_does(decoder):
     ids = decoder.encode("Reply with only the word: yes")
     reference = decoder.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
@@ -108,12 +129,17 @@ def test_generation_stops_at_eos_where_generate_does(decoder):
     assert len(result.token_ids) < 64
 
 
-def test_seeded_sampling_is_reproducible(decoder):
-    options = dict(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95, policy="metasd-ucb")
-    a = decoder.generate("Tell me a story about a robot.", seed=7, **options)
-    b = decoder.generate("Tell me a story about a robot.", seed=7, **options)
-    c = decoder.generate("Tell me a story about a robot.", seed=8, **options)
-    assert a.token_ids == b.token_ids and a.stats.drafters().keys() == b.stats.drafters().keys()
+def test_seeded_sampling_is_reproducible(embedded):
+    """A seed reproduces a run from a fresh decoder (the suffix drafter's history is state that changes drafts)."""
+    options = dict(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95)
+
+    def run(seed):
+        return Decoder(drafters=POOL, policy="metasd-ucb", draft_len=4).generate(
+            "Tell me a story about a robot.", seed=seed, **options)
+
+    a, b, c = run(7), run(7), run(8)
+    assert a.token_ids == b.token_ids
+    assert [r.drafter for r in a.stats.rounds] == [r.drafter for r in b.stats.rounds]
     assert a.token_ids != c.token_ids
 
 

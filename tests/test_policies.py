@@ -258,7 +258,7 @@ def test_build_policy_parameters() -> None:
     assert isinstance(exp3, EXP3) and exp3.gamma == 0.1
     assert build_policy("exp3:1", DRAFTERS).gamma == 1.0
     sh = build_policy("sequential-halving", DRAFTERS)
-    assert isinstance(sh, SequentialHalving) and sh.budget == 64
+    assert isinstance(sh, SequentialHalving) and sh.budget == 32
     assert build_policy("sequential-halving:10", DRAFTERS).budget == 10
     fixed = build_policy("fixed:medium", DRAFTERS)
     assert isinstance(fixed, Fixed) and fixed.select() == 2 and fixed.reward == "bd"

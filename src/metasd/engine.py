@@ -1,8 +1,8 @@
 """The decoder: a target, a pool of drafters and a policy that picks one drafter per round.
 
 One round: select a drafter -> it proposes up to k tokens -> one target forward over them -> the acceptance rule
-keeps a prefix and adds the target's own token -> the policy is rewarded. Everything else (prompt handling, request
-options, statistics) is bookkeeping around `Generation._rounds`.
+keeps a prefix and adds the target's own token -> the policy is rewarded. That is `Generation._round`; everything
+else (prompt handling, request options, statistics) is bookkeeping around it.
 """
 
 from __future__ import annotations
@@ -161,62 +161,69 @@ class Generation:
                                 self.finish_reason)
 
     def _rounds(self) -> Iterator[list[int]]:
-        dec, params, policy = self.decoder, self.params, self.policy
+        dec = self.decoder
         generator = torch.Generator()
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
+        if self.params.seed is not None:
+            generator.manual_seed(self.params.seed)
         else:
             generator.seed()
-        eos = dec.target.eos_token_ids
         context = list(self.prompt)
         dec._lm.reset()
         for drafter in self.pool:
             drafter.begin(self.prompt)
-        if policy is not None and dec.policy_scope == "request":
-            policy.reset()
+        if self.policy is not None and dec.policy_scope == "request":
+            self.policy.reset()
         synced = {d.name: len(context) for d in self.pool}  # context length each drafter has seen
         start = time.perf_counter()
-        while len(self.token_ids) < self.max_new_tokens:
-            t0 = time.perf_counter()
-            k = min(dec.draft_len, self.max_new_tokens - len(self.token_ids) - 1)
-            arm = policy.select() if policy is not None and k > 0 else None
-            t1 = time.perf_counter()
-            drafter = self.pool[arm] if arm is not None else None
-            draft = drafter.propose(context, k, params, generator) if drafter else Draft([])
-            t2 = time.perf_counter()
-            logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
-            p = probabilities(logits, params) if drafter or not params.greedy else None
-            if params.greedy:
-                verdict = verify_greedy(logits, draft.tokens)
-            else:
-                verdict = verify_sampling(p, draft.q, draft.tokens, generator)
-            t3 = time.perf_counter()
-            score = None
-            if drafter:
-                score = reward(policy.reward, p, draft.q, draft.tokens, verdict.accepted, k, t2 - t1, t3 - t2)
-                policy.update(arm, score)
-                if policy.full_information:
-                    self._hindsight(arm, context, draft.tokens[: verdict.accepted] + [verdict.next_token], k, t3 - t2)
-            t4 = time.perf_counter()
-            new = draft.tokens[: verdict.accepted] + [verdict.next_token]
-            new = new[: self.max_new_tokens - len(self.token_ids)]
-            stop = next((i for i, t in enumerate(new) if t in eos), None)
-            if stop is not None:
-                new = new[: stop + 1]
-                self.finish_reason = "stop"
-            catch_up = 0
-            if drafter:
-                catch_up = len(context) - synced[drafter.name] if drafter.has_cache else 0
-                synced[drafter.name] = len(context) + len(new)
-            context += new
-            self.token_ids += new
-            self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens), verdict.accepted,
-                                           score, catch_up, t2 - t1, t3 - t2, (t1 - t0) + (t4 - t3)))
-            self.stats.new_tokens = len(self.token_ids)
-            self.stats.wall_time = time.perf_counter() - start
-            yield new
-            if stop is not None:
-                return
+        try:
+            while len(self.token_ids) < self.max_new_tokens and self.finish_reason != "stop":
+                new = self._round(context, generator, synced)
+                context += new
+                self.token_ids += new
+                self.stats.new_tokens = len(self.token_ids)
+                self.stats.wall_time = time.perf_counter() - start
+                yield new
+        finally:  # also when the consumer stops early: what was generated is real output
+            for drafter in self.pool:
+                drafter.end(context)
+
+    def _round(self, context: list[int], generator: torch.Generator, synced: dict[str, int]) -> list[int]:
+        """Select, draft, verify, reward: the tokens this round adds (its statistics are recorded here)."""
+        dec, params, policy = self.decoder, self.params, self.policy
+        t0 = time.perf_counter()
+        k = min(dec.draft_len, self.max_new_tokens - len(self.token_ids) - 1)
+        arm = policy.select() if policy is not None and k > 0 else None
+        t1 = time.perf_counter()
+        drafter = self.pool[arm] if arm is not None else None
+        draft = drafter.propose(context, k, params, generator) if drafter else Draft([])
+        t2 = time.perf_counter()
+        logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
+        p = probabilities(logits, params) if drafter or not params.greedy else None
+        if params.greedy:
+            verdict = verify_greedy(logits, draft.tokens)
+        else:
+            verdict = verify_sampling(p, draft.q, draft.tokens, generator)
+        t3 = time.perf_counter()
+        verified = draft.tokens[: verdict.accepted] + [verdict.next_token]
+        score = None
+        if drafter:
+            score = reward(policy.reward, p, draft.q, draft.tokens, verdict.accepted, k, t2 - t1, t3 - t2)
+            policy.update(arm, score)
+            if policy.full_information:
+                self._hindsight(arm, context, verified, k, t3 - t2)
+        t4 = time.perf_counter()
+        new = verified[: self.max_new_tokens - len(self.token_ids)]
+        stop = next((i for i, t in enumerate(new) if t in dec.target.eos_token_ids), None)
+        if stop is not None:
+            new = new[: stop + 1]
+            self.finish_reason = "stop"
+        catch_up = 0
+        if drafter:
+            catch_up = len(context) - synced[drafter.name] if drafter.has_cache else 0
+            synced[drafter.name] = len(context) + len(new)
+        self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens), verdict.accepted,
+                                       score, catch_up, t2 - t1, t3 - t2, (t1 - t0) + (t4 - t3)))
+        return new
 
     def _hindsight(self, chosen: int, context: list[int], verified: list[int], k: int, verify_time: float) -> None:
         """Full-information feedback: score every free drafter on what it would have drafted this round.

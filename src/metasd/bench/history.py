@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pickle
 
-from ..sampling import SamplingParams
-
 
 class DrafterHistory:
     def __init__(self, drafters: dict):
@@ -32,9 +30,8 @@ class DrafterHistory:
     def advance(self, turns: list[tuple[list[int], list[int]]]) -> None:
         """The snapshot plus one served request per (prompt ids, output ids): what the next question starts from."""
         self.restore()
-        params = SamplingParams()
         for prompt, output in turns:
             for d in self.stateful.values():
                 d.begin(list(prompt))
-                d.propose(list(prompt) + list(output), 0, params, None)  # k = 0: index the full context, draft nothing
+                d.end(list(prompt) + list(output))
         self._snapshot = self._capture()

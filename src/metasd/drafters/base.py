@@ -24,6 +24,12 @@ class Drafter(Protocol):
     def begin(self, prompt: list[int]) -> None:
         """A new request starts from this prompt."""
 
+    def end(self, context: list[int]) -> None:
+        """The request ended (finished or abandoned) with this context: prompt + every generated token.
+
+        Drafters that learn across requests index the output here, not only the part they happened to draft on.
+        """
+
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:

@@ -19,6 +19,9 @@ class ModelDrafter:
     def begin(self, prompt: list[int]) -> None:
         self.lm.reset()
 
+    def end(self, context: list[int]) -> None:
+        pass
+
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         # logits_for() first catches the cache up on whatever context it has not seen (missed rounds, rejections)
         seq = list(context)

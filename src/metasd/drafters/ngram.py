@@ -23,6 +23,9 @@ class NgramDrafter:
     def begin(self, prompt: list[int]) -> None:
         pass
 
+    def end(self, context: list[int]) -> None:
+        pass
+
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         ids = np.asarray(context, dtype=np.int64)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):

@@ -53,19 +53,23 @@ class SuffixDrafter:
         self._prompt_len = 0
 
     def begin(self, prompt: list[int]) -> None:
-        generated = self._context[self._prompt_len :]
-        if generated:  # the previous request's output joins the cross-request history
-            self._outputs.append(generated)
-            if len(self._outputs) > self.history_requests:  # rebuild rather than grow without bound
-                self._outputs = self._outputs[-self.history_requests :]
-                self.history = SuffixIndex(self.depth)
-                for out in self._outputs:
-                    self.history.add(out, 0)
-            else:
-                self.history.add(generated, 0)
         self.local = SuffixIndex(self.depth)
         self._context = []
         self._prompt_len = len(prompt)
+
+    def end(self, context: list[int]) -> None:
+        """The request's whole output joins the cross-request history, including rounds this drafter sat out."""
+        generated = list(context[self._prompt_len :])
+        if not generated:
+            return
+        self._outputs.append(generated)
+        if len(self._outputs) > self.history_requests:  # rebuild rather than grow without bound
+            self._outputs = self._outputs[-self.history_requests :]
+            self.history = SuffixIndex(self.depth)
+            for out in self._outputs:
+                self.history.add(out, 0)
+        else:
+            self.history.add(generated, 0)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         self.local.add(context, len(self._context))
