@@ -115,7 +115,7 @@ def test_suffix_history_holds_whole_outputs_even_rounds_it_sat_out(embedded):
     generation = decoder.stream("Name three colours.", max_new_tokens=MAX_NEW, policy="fixed:ngram")
     rounds = iter(generation)
     next(rounds), next(rounds)
-    rounds.close()  # a consumer that stops early (a client disconnect): the partial output still counts
+    generation.close()  # a consumer that stops early (a client disconnect): the partial output still counts
     assert suffix._outputs[-1] == generation.token_ids and len(generation.token_ids) >= 2
 
 

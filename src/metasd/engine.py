@@ -156,6 +156,10 @@ class Generation:
     def __iter__(self) -> Iterator[list[int]]:
         return self._iter
 
+    def close(self) -> None:
+        """Abandon the request now rather than whenever it is garbage-collected: the drafters see its end."""
+        self._iter.close()
+
     def result(self) -> GenerationResult:
         return GenerationResult(self.decoder.decode(self.token_ids), list(self.token_ids), self.stats,
                                 self.finish_reason)

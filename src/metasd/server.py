@@ -288,6 +288,7 @@ class _Engine:
                 sent = end
             if finish:
                 break
+        gen.close()  # the drafters see the request's end before the next request begins
         finish = finish or gen.finish_reason
         if job.stream and finish != "abort" and len(text) > sent:
             job.emit("delta", text[sent:])  # what was held back (a final U+FFFD, say)
