@@ -34,6 +34,25 @@ def generate():
     return r["stats"]["tokens_per_second"], r["stats"]["new_tokens"], r["text"]
 
 
+def wait_healthy(proc, seconds=120):
+    for _ in range(seconds):
+        if proc.poll() is not None:
+            raise RuntimeError(f"metasd serve exited with status {proc.returncode}")
+        try:
+            if httpx.get("http://127.0.0.1:8765/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"metasd serve not healthy after {seconds} s")
+
+
+def ask(client, prompt, **options):
+    """A greedy chat request for N tokens."""
+    messages = [{"role": "user", "content": prompt}]
+    return client.chat.completions.create(model="embedded", messages=messages, max_tokens=N, temperature=0, **options)
+
+
 def serve(stream):
     proc = subprocess.Popen(
         ["metasd", "serve", "--port", "8765", "--threads", THREADS],
@@ -42,36 +61,20 @@ def serve(stream):
         stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(120):
-            try:
-                if httpx.get("http://127.0.0.1:8765/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
+        wait_healthy(proc)
         client = OpenAI(base_url="http://127.0.0.1:8765/v1", api_key="x")
-        client.chat.completions.create(
-            model="embedded", messages=[{"role": "user", "content": WARM}], max_tokens=N, temperature=0
-        )
+        ask(client, WARM)
         start = time.perf_counter()
         if stream:
             text, usage = "", None
-            for chunk in client.chat.completions.create(
-                model="embedded",
-                messages=[{"role": "user", "content": PROMPT}],
-                max_tokens=N,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            ):
+            for chunk in ask(client, PROMPT, stream=True, stream_options={"include_usage": True}):
                 if chunk.choices and chunk.choices[0].delta.content:
                     text += chunk.choices[0].delta.content
                 if chunk.usage:
                     usage = chunk.usage
             wall = time.perf_counter() - start
             return usage.completion_tokens / wall, None, usage.completion_tokens, text
-        r = client.chat.completions.create(
-            model="embedded", messages=[{"role": "user", "content": PROMPT}], max_tokens=N, temperature=0
-        )
+        r = ask(client, PROMPT)
         wall = time.perf_counter() - start
         inner = r.model_extra["metasd"]["tokens_per_second"]
         return r.usage.completion_tokens / wall, inner, r.usage.completion_tokens, r.choices[0].message.content
