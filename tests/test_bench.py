@@ -88,7 +88,7 @@ def test_regret_of_a_round_log() -> None:
     names = ["a", "b", "c"]
 
     def rnd(drafter, accepted):
-        return Round(drafter, 5, accepted, 0.0, 0, 0.0, 0.0, 0.0)
+        return Round(drafter, 5, accepted, 0.0, 0, 0.0, 0.0, 0.0, accepted + 1)
 
     # pos 0: 'b' accepts 0 (best 2) -> pos 1: 'a' 0 (best 0) -> pos 2: 'a' 1 (best 3) -> pos 4: 'c' 4 (best 4)
     # -> pos 9: stop. The last round's logged 3 disagrees with the table's 4.

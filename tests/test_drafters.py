@@ -54,3 +54,85 @@ def test_early_exit_shares_the_targets_weights(embedded):
     assert len(d.lm.model.model.layers) == 4
     assert d.lm.model.lm_head.weight.data_ptr() == embedded.model.lm_head.weight.data_ptr()
     assert embedded.model.config.num_hidden_layers == 30  # the target itself is untouched
+
+
+def _counts(index) -> dict:
+    return {key: dict(counts) for key, counts in index.next.items() if counts}
+
+
+def test_suffix_history_evicts_incrementally_and_stays_bounded():
+    import random
+
+    from metasd.drafters.suffix import SuffixIndex
+
+    rng = random.Random(0)
+    d = SuffixDrafter(depth=4, history_requests=8, history_tokens=10_000)
+    outputs = [[rng.randrange(50) for _ in range(rng.randrange(2, 40))] for _ in range(30)]
+    work = []
+    original_add, original_remove = SuffixIndex.add, SuffixIndex.remove
+
+    def counting_add(self, tokens, start):
+        work.append(len(tokens) - start)
+        original_add(self, tokens, start)
+
+    def counting_remove(self, tokens):
+        work.append(len(tokens))
+        original_remove(self, tokens)
+
+    SuffixIndex.add, SuffixIndex.remove = counting_add, counting_remove
+    try:
+        for i, out in enumerate(outputs):
+            d.begin([7])
+            work.clear()
+            d.end([7, *out])
+            evicted = outputs[i - 8] if i >= 8 else []
+            # each request touches only its own output and the one it evicts, never the whole history
+            assert sum(work) == len(out) + len(evicted)
+    finally:
+        SuffixIndex.add, SuffixIndex.remove = original_add, original_remove
+    assert d.outputs == outputs[-8:]
+    fresh = SuffixIndex(4)
+    for out in outputs[-8:]:
+        fresh.add(out, 0)
+    assert _counts(d.history) == _counts(fresh)  # the same counts as a rebuild, with no emptied entries left
+    assert all(d.history.next.values())
+
+
+def test_suffix_history_is_bounded_in_tokens():
+    d = SuffixDrafter(depth=2, history_requests=100, history_tokens=50)
+    for i in range(20):
+        d.begin([1])
+        d.end([1, *range(i, i + 20)])
+    assert sum(map(len, d.outputs)) <= 50 and d.outputs[-1] == list(range(19, 39))
+
+
+def test_suffix_histories_are_isolated_by_key_or_off():
+    d = SuffixDrafter(depth=2)
+    d.use_history("alice")
+    d.begin([9])
+    d.end([9, 4, 5, 6])
+    d.begin([9])
+    assert d.propose([9, 4], 2, GREEDY, None).tokens == [5, 6]  # alice's own history
+    d.use_history("bob")
+    d.begin([9])
+    assert d.propose([9, 4], 2, GREEDY, None).tokens == []  # bob cannot see alice's output
+    d.end([9, 4, 7])
+    d.use_history(None)
+    d.begin([9])
+    assert d.propose([9, 4], 2, GREEDY, None).tokens == []  # off: nothing from any history
+    d.end([9, 4, 8])  # and nothing learned
+    assert d.outputs == []
+    d.use_history("alice")
+    assert d.outputs == [[4, 5, 6]]
+
+
+def test_suffix_token_bound_holds_across_all_histories():
+    d = SuffixDrafter(depth=2, history_tokens=30)
+    for i in range(10):
+        d.use_history(f"key-{i % 3}")
+        d.begin([1])
+        d.end([1, *range(10 * i, 10 * i + 10)])
+    assert sum(h.tokens for h in d._histories.values()) <= 30
+    # key-1, least recently used, gave up its output (and its emptied history is gone); key-2 and key-0 keep theirs
+    assert list(d._histories) == ["key-2", "key-0"]
+    assert d.outputs == [list(range(60, 70)), list(range(90, 100))]

@@ -64,8 +64,8 @@ def test_each_drafter_alone_is_lossless(decoder, cases, drafter):
     assert_lossless(decoder, cases, policy=f"fixed:{drafter}")
 
 
-@pytest.mark.parametrize("policy", ["none", "metasd-ucb", "metasd-ucb-cost", "metasd-fi", "ucb-be", "exp3",
-                                    "sequential-halving", "random", "round-robin"])
+@pytest.mark.parametrize("policy", ["none", "metasd-adaptive", "metasd-ucb", "metasd-ucb-cost", "metasd-fi", "ucb-be",
+                                    "exp3", "sequential-halving", "random", "round-robin", "ducb", "swucb:4"])
 def test_each_policy_over_the_full_pool_is_lossless(decoder, cases, policy):
     assert_lossless(decoder, cases, policy=policy, seed=0)
 

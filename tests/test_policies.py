@@ -10,13 +10,17 @@ import pytest
 
 from metasd.policies import (
     EXP3,
+    MAX_BUDGET,
     POLICY_NAMES,
     UCB,
+    DiscountedUCB,
     Fixed,
     RandomPolicy,
     RoundRobin,
     SequentialHalving,
+    SlidingWindowUCB,
     build_policy,
+    canonical_policy,
 )
 
 DRAFTERS = ["tiny", "small", "medium"]
@@ -242,7 +246,11 @@ def test_every_policy_name_builds(name: str) -> None:
         assert policy is None
         return
     assert policy is not None
-    assert policy.reward == {"ucb-be": "be", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost"}.get(name, "bd")
+    rewards = {"ucb-be": "be", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost", "ducb-cost": "bd-cost",
+               "swucb-cost": "bd-cost", "metasd-adaptive": "rate"}
+    assert policy.reward == rewards.get(name, "bd")
+    if name == "metasd-adaptive":  # chooses through choose()/feedback() with measured costs: tests/test_adaptive.py
+        return
     arms = run(policy, lambda arm: 0.5, 10)
     assert all(0 <= a < len(DRAFTERS) for a in arms)
     assert sum(policy.pulls) == 10 and len(policy.mean_rewards) == len(DRAFTERS)
@@ -323,3 +331,210 @@ def test_hindsight_observations_do_not_inflate_exploration() -> None:
     assert policy.rounds == 1 and policy.pulls == [200, 200, 1]
     assert policy.mean_rewards[0] == pytest.approx(0.3)
     assert policy.select() == 0  # t = 1: no bonus yet, the best observed mean wins
+
+
+# --- Drift: discounted and sliding-window UCB -------------------------------------------------------------------
+
+SWITCH = 100  # the round at which the best arm changes
+
+
+def drifting(seed: int) -> Callable[[int], float]:
+    """Noisy rewards (Beta, like BD's spread) with a known switch: arm 0 best until SWITCH, then arm 2.
+    Gaps of ~0.2-0.4, as between a copying drafter on copied text and on reasoning."""
+    rng = np.random.default_rng(seed)
+    before, after = [0.75, 0.5, 0.35], [0.35, 0.5, 0.75]
+    calls = [0]
+
+    def reward_of(arm: int) -> float:
+        means = before if calls[0] < SWITCH else after
+        calls[0] += 1
+        m = means[arm]
+        return float(rng.beta(20 * m, 20 * (1 - m)))
+
+    return reward_of
+
+
+def rounds_to_follow(arms: list[int], best: int = 2, run_len: int = 10) -> int | None:
+    """Rounds after SWITCH until the new best arm has been picked in `run_len` consecutive rounds' majority:
+    the first r such that rounds r..r+run_len-1 after the switch pick `best` at least 80 % of the time."""
+    after = arms[SWITCH:]
+    for r in range(len(after) - run_len + 1):
+        if sum(a == best for a in after[r : r + run_len]) >= 0.8 * run_len:
+            return r
+    return None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_forgetting_policies_follow_a_switch_and_plain_ucb_lags(seed: int) -> None:
+    total = SWITCH + 150
+    lags = {}
+    for name, policy in [("ducb", DiscountedUCB(3, gamma=0.95, beta=0.1)),
+                         ("swucb", SlidingWindowUCB(3, window=32, beta=0.1)),
+                         ("ucb", UCB(3, beta=0.1))]:
+        arms = run(policy, drifting(seed), total)
+        assert arms[SWITCH - 20 : SWITCH].count(0) >= 16, name  # all found the first best arm
+        lags[name] = rounds_to_follow(arms)
+    assert lags["ducb"] is not None and lags["ducb"] <= 40, lags
+    assert lags["swucb"] is not None and lags["swucb"] <= 40, lags
+    # the same beta without forgetting: 100 rounds of evidence for arm 0 keep it ahead far longer
+    assert lags["ucb"] is None or lags["ucb"] > 2 * max(lags["ducb"], lags["swucb"]), lags
+
+
+def test_discounted_statistics_decay_each_round() -> None:
+    policy = DiscountedUCB(2, gamma=0.5, beta=0.0)
+    assert [policy.select()] == [0]
+    policy.update(0, 1.0)
+    assert policy.select() == 1  # every arm once first
+    policy.update(1, 0.5)
+    counts, means = policy.discounted()
+    assert counts == pytest.approx([0.5, 1.0]) and means == pytest.approx([1.0, 0.5])
+    policy.update(1, 0.5)
+    policy.update(1, 0.5)
+    counts, _ = policy.discounted()
+    assert counts == pytest.approx([0.125, 1.75])
+    # undiscounted totals for reporting
+    assert policy.pulls == [1, 3] and policy.mean_rewards == pytest.approx([1.0, 0.5])
+    policy.reset()
+    assert policy.discounted() == ([0.0, 0.0], [0.0, 0.0]) and policy.pulls == [0, 0]
+
+
+def test_discounted_ucb_index_matches_formula() -> None:
+    policy = DiscountedUCB(2, gamma=0.9, beta=0.3)
+    rewards = [(0, 0.8), (1, 0.4), (0, 0.7), (0, 0.9), (1, 0.5)]
+    n, s = np.zeros(2), np.zeros(2)
+    for arm, r in rewards:
+        policy.update(arm, r)
+        n, s = 0.9 * n, 0.9 * s
+        n[arm] += 1
+        s[arm] += r
+    index = s / n + 0.3 * np.sqrt(2 * math.log(n.sum()) / n)
+    assert policy.select() == int(np.argmax(index))
+    assert policy.discounted()[0] == pytest.approx(n.tolist())
+
+
+def test_discount_one_is_plain_ucb() -> None:
+    a, b = DiscountedUCB(3, gamma=1.0, beta=0.5), UCB(3, beta=0.5)
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        arm = a.select()
+        assert arm == b.select()
+        r = float(rng.random() < [0.3, 0.5, 0.6][arm])
+        a.update(arm, r)
+        b.update(arm, r)
+
+
+def test_sliding_window_forgets_exactly() -> None:
+    policy = SlidingWindowUCB(2, window=3, beta=0.0)
+    for arm, r in [(0, 1.0), (1, 0.2), (0, 0.9)]:
+        policy.update(arm, r)
+    assert policy.select() == 0
+    policy.update(1, 0.3)  # (0, 1.0) leaves the window: arm 0 has (0.9), arm 1 (0.2, 0.3)
+    assert policy.select() == 0
+    policy.update(1, 0.3)  # (1, 0.2) leaves: window (0, 0.9), (1, 0.3), (1, 0.3)
+    policy.update(1, 0.3)  # (0, 0.9) leaves: arm 0 is out of the window, so it is tried again
+    assert policy.select() == 0
+    assert policy.pulls == [2, 4] and policy.mean_rewards[0] == pytest.approx(0.95)  # totals, not the window
+    policy.reset()
+    assert run(policy, lambda arm: 0.5, 2) == [0, 1]
+
+
+def test_sliding_window_sums_do_not_drift() -> None:
+    policy = SlidingWindowUCB(3, window=5, beta=0.1)
+    rng = np.random.default_rng(0)
+    run(policy, lambda arm: float(rng.random()), 20_000)
+    window = list(policy._recent)
+    for arm in range(3):
+        assert policy._s[arm] == pytest.approx(sum(r for a, r in window if a == arm), abs=1e-9)
+
+
+# --- Parameter bounds, schedules, canonical names -----------------------------------------------------------------
+
+
+def test_drifting_policies_build_with_defaults_and_parameters() -> None:
+    d = build_policy("ducb", DRAFTERS)
+    assert isinstance(d, DiscountedUCB) and (d.gamma, d.beta, d.reward) == (0.95, 0.1, "bd")
+    d = build_policy("ducb-cost:0.9:0.5", DRAFTERS)
+    assert isinstance(d, DiscountedUCB) and (d.gamma, d.beta, d.reward) == (0.9, 0.5, "bd-cost")
+    w = build_policy("swucb", DRAFTERS)
+    assert isinstance(w, SlidingWindowUCB) and (w.window, w.beta, w.reward) == (32, 0.1, "bd")
+    w = build_policy("swucb-cost:64:0", DRAFTERS)
+    assert isinstance(w, SlidingWindowUCB) and (w.window, w.beta, w.reward) == (64, 0.0, "bd-cost")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("metasd-ucb:100.5", "beta must be in"),
+        ("metasd-ucb-cost:1e300", "beta must be in"),
+        ("ucb-be:-0.1", "beta must be in"),
+        ("metasd-ucb:inf", "finite"),
+        ("sequential-halving:4000000000", "budget must be an integer in"),
+        (f"sequential-halving:{MAX_BUDGET + 1}", "budget"),
+        ("sequential-halving:" + "9" * 5000, "not a valid int"),
+        ("exp3:1e-400", "gamma"),
+        ("ducb:0", "gamma must be in"),
+        ("ducb:1.01", "gamma must be in"),
+        ("ducb:nan", "finite"),
+        ("ducb:0.9:101", "beta must be in"),
+        ("ducb:0.9:-1", "beta must be in"),
+        ("ducb:0.9:", "bad parameter"),
+        ("ducb::0.1", "bad parameter"),
+        ("ducb:0.9:0.1:3", "not a valid float"),
+        ("swucb:0", "window must be an integer in"),
+        ("swucb:100001", "window must be an integer in"),
+        ("swucb:2.5", "not a valid int"),
+        ("swucb-cost:-3", "window"),
+    ],
+)
+def test_client_chosen_parameters_are_bounded(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_policy(name, DRAFTERS)
+    with pytest.raises(ValueError, match=message):
+        canonical_policy(name, DRAFTERS)
+
+
+def test_sequential_halving_huge_budget_builds_instantly_in_constant_memory() -> None:
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    policy = build_policy(f"sequential-halving:{MAX_BUDGET}", DRAFTERS)
+    arms = run(policy, lambda arm: arm / 3, 30)
+    elapsed = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert elapsed < 0.5 and peak < 200_000  # a schedule list would be 1e6 entries (8 MB)
+    assert arms == [0, 1, 2] * 10  # survivors in turn
+    with pytest.raises(ValueError):
+        build_policy("sequential-halving:4000000000", DRAFTERS)
+
+
+@pytest.mark.parametrize(
+    ("spellings", "canonical"),
+    [
+        (["metasd-ucb", "metasd-ucb:1", "metasd-ucb:1.0", " metasd-ucb : 1.00 ", "metasd-ucb:1e0"], "metasd-ucb:1.0"),
+        (["metasd-ucb-cost", "metasd-ucb-cost:0.1", "metasd-ucb-cost:.1"], "metasd-ucb-cost:0.1"),
+        (["exp3", "exp3:0.10"], "exp3:0.1"),
+        (["sequential-halving", "sequential-halving:32", "sequential-halving: 32"], "sequential-halving:32"),
+        (["ducb", "ducb:0.95", "ducb:0.950:0.1", "ducb : 0.95:1e-1"], "ducb:0.95:0.1"),
+        (["swucb", "swucb:32", "swucb:32:0.1"], "swucb:32:0.1"),
+        (["swucb-cost:8:1"], "swucb-cost:8:1.0"),
+        (["fixed:small", " fixed:small "], "fixed:small"),
+        (["random", " random"], "random"),
+        (["none"], "none"),
+    ],
+)
+def test_canonical_policy_merges_spellings(spellings: list[str], canonical: str) -> None:
+    assert {canonical_policy(s, DRAFTERS) for s in spellings} == {canonical}
+    assert canonical_policy(canonical, DRAFTERS) == canonical  # a fixed point
+    assert canonical_policy(canonical, DRAFTERS) != canonical_policy("metasd-ucb:0.1234567", DRAFTERS)
+
+
+def test_canonical_policy_keeps_distinct_values_apart() -> None:
+    assert canonical_policy("metasd-ucb:0.1234567", DRAFTERS) != canonical_policy("metasd-ucb:0.1234568", DRAFTERS)
+    assert canonical_policy("ducb:0.95", DRAFTERS) != canonical_policy("ducb:0.95:1", DRAFTERS)
+    assert canonical_policy("ducb", DRAFTERS) != canonical_policy("ducb-cost", DRAFTERS)
+    with pytest.raises(ValueError, match="unknown policy"):
+        canonical_policy("bogus", DRAFTERS)
+

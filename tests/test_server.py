@@ -230,10 +230,12 @@ BAD_INPUTS = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "metasd_policy": "fixed:nowhere"}, 400, None),
     ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**7]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1] * 9000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [1] * 9000}, 400, "prompt"),  # longer than the context by itself
     ("/v1/chat/completions", {"messages": chat("hi"), "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "metasd_policy": "psychic"}, 400, None),
     ("/v1/completions", {"prompt": "hi", "metasd_drafters": ["early-exit"], "stream": True}, 400, None),
@@ -244,7 +246,10 @@ BAD_INPUTS = [  # (path, body, status, param)
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_INPUTS, ids=[str(b)[:40] for _, b, *_ in BAD_INPUTS])
 def test_bad_input_is_a_4xx_in_openai_shape_and_the_server_keeps_serving(http, path, body, status, param):
-    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = http.post(path, json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -268,9 +273,13 @@ def test_api_key(server):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--api-key", ""]])
-def test_serve_rejects_bad_options_before_loading_models(argv, capsys):
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--api-key", ""], ["--api-key", "a,"],
+                                  ["--max-body-bytes", "0"], ["--history-scope", "per-key"],
+                                  ["--history-scope", "off", "--policy-scope", "server"]])
+def test_serve_rejects_bad_options_before_loading_models(argv, capsys, monkeypatch):
     from metasd.cli import main
+
+    monkeypatch.delenv("METASD_API_KEY", raising=False)
 
     assert main(["serve", *argv]) == 2
     assert "metasd: error:" in capsys.readouterr().err
@@ -356,3 +365,194 @@ def test_policy_scope_server_keeps_learning_and_request_scope_resets(small, http
     fresh = run(str(http.base_url).rstrip("/"), "Once upon a time")
     assert fresh["policy"]["scope"] == "request"
     assert fresh["policy"]["pulls"] == {n: fresh["drafters"].get(n, {"pulls": 0})["pulls"] for n in own}
+
+
+# --- hardening (issue 11): every request ends quickly with a clear answer and none stalls the others ---------------
+
+STRICT_TEMPLATE = (  # as strict templates do (Mistral's, Gemma's): user and assistant turns must alternate
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+)
+KEYS = ("sk-alice", "sk-bob")
+
+
+@pytest.fixture(scope="module")
+def strict(embedded):
+    """Two API keys with suffix histories per key, a 64 KiB body limit, a strict chat template, and a count of the
+    prompts the worker tokenized."""
+    import copy
+
+    decoder = Decoder(drafters=POOL)
+    decoder.tokenizer = copy.deepcopy(decoder.tokenizer)
+    decoder.tokenizer.chat_template = STRICT_TEMPLATE
+    encoded = []
+    encode = decoder.encode
+    decoder.encode = lambda prompt, raw=False: encoded.append(prompt) or encode(prompt, raw)
+    app = create_app(decoder, api_key=",".join(KEYS), max_body_bytes=65536, history_scope="per-key")
+    with running(app) as url:
+        yield url, encoded
+
+
+def key(name: str) -> dict:
+    return {"Authorization": f"Bearer {name}"}
+
+
+def timed_post(base: str, path: str, headers: dict | None = None, **kwargs) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    r = httpx.post(f"{base}{path}", headers={**AUTH, **(headers or {})}, timeout=60, **kwargs)
+    return r, time.monotonic() - start
+
+
+def test_tiny_temperature_is_greedy_not_nan(server, reference):
+    want = reference.generate(PROMPT, raw=True, max_new_tokens=8).text
+    for temperature in (1e-40, 5e-324, 9e-6, 0.5):  # 0.5 with top_p 1e-300: sampling from the top token alone
+        r, took = timed_post(server, "/v1/completions",
+                             json={"prompt": PROMPT, "max_tokens": 8, "temperature": temperature, "top_p": 1e-300})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want and took < 30
+
+
+def test_body_over_the_limit_is_413_before_parsing(strict):
+    base, encoded = strict
+    prompt = {"prompt": "x" * 100_000, "max_tokens": 1}
+    r, took = timed_post(base, "/v1/completions", key(KEYS[0]), json=prompt)  # with a Content-Length
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large" and took < 5
+
+    def chunked():  # no Content-Length: refused while reading
+        for _ in range(100):
+            yield b" " * 1000
+
+    r, took = timed_post(base, "/v1/completions", {**key(KEYS[0]), "Content-Type": "application/json"},
+                         content=chunked())
+    assert r.status_code == 413 and took < 5
+    assert not encoded
+    ok, _ = timed_post(base, "/v1/completions", key(KEYS[0]), json={"prompt": "hi", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_post_without_json_content_type_is_415(server, content_type):
+    """Browsers send these cross-site without a CORS preflight: a web page must not drive a local server."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    with httpx.Client(base_url=server, timeout=30) as c:
+        r = c.post("/v1/completions", content=body, headers={**AUTH, **headers})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        json_type = {"Content-Type": "application/json; charset=utf-8"}
+        ok = c.post("/v1/completions", content=body, headers={**AUTH, **json_type})
+        assert ok.status_code == 200
+
+
+def test_over_long_prompt_is_refused_by_length_before_tokenizing(server, reference):
+    from metasd.server import _max_prompt_chars
+
+    bound = _max_prompt_chars(reference.tokenizer, reference.target.max_length)
+    assert bound >= reference.target.max_length * max(map(len, reference.tokenizer.get_vocab()))
+    for path, body in (("/v1/completions", {"prompt": "a" * (bound + 1), "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": chat("a" * (bound + 1)), "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": [1] * 200_000, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": chat("a") * 9000, "max_tokens": 1})):
+        r, took = timed_post(server, path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert took < 5
+
+
+def test_the_worker_never_tokenizes_a_prompt_refused_by_length(strict):
+    base, encoded = strict
+    encoded.clear()
+    r, _ = timed_post(base, "/v1/completions", key(KEYS[0]), json={"prompt": [5] * 9000, "max_tokens": 1})
+    assert r.status_code == 400 and not encoded
+
+
+def _policy_bounded() -> bool:
+    """build_policy refuses a huge budget quickly; probed in a child with capped memory, since an unbounded one
+    builds a schedule of billions of entries."""
+    import subprocess
+    import sys
+
+    probe = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+             "from metasd.policies import build_policy\n"
+             "try:\n    build_policy('sequential-halving:4000000000', ['a', 'b'])\nexcept ValueError:\n    print('ok')")
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.stdout.strip() == "ok"
+
+
+def test_huge_policy_parameter_is_a_fast_400(server):
+    if not _policy_bounded():
+        pytest.fail("build_policy does not refuse sequential-halving:4000000000 with a ValueError (policies.py must "
+                    "bound client-chosen parameters); not sent to the server, which would run out of memory")
+    for policy in ("sequential-halving:4000000000", "metasd-ucb:1e308", "exp3:nan"):
+        r, took = timed_post(server, "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "metasd_policy": policy})
+        assert r.status_code == 400 and took < 5, (policy, r.text)
+
+
+def test_sendable_is_linear_in_the_stop_length():
+    stop = "a" * 255 + "b"
+    text = "a" * 100_000
+    start = time.perf_counter()
+    for _ in range(100):
+        assert _sendable(text, [stop] * 4) == 100_000 - 255
+    assert time.perf_counter() - start < 1.0  # slicing per prefix length: ~30k character comparisons per call
+
+
+def test_sendable_agrees_with_the_quadratic_definition():
+    import random
+
+    def naive(text: str, stops: list[str]) -> int:
+        end = len(text.rstrip("\ufffd"))
+        return end - max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k], 0, end)), default=0)
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab\ufffd") for _ in range(rng.randrange(0, 12)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(0, 3))]
+        assert _sendable(text, stops) == naive(text, stops), (text, stops)
+
+
+def test_long_stop_strings_are_refused(server):
+    r, took = timed_post(server, "/v1/completions", json={"prompt": "hi", "stop": ["ok", "z" * 100_000]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop" and took < 5
+
+
+def test_chat_template_errors_are_400(strict):
+    base, _ = strict
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+    r, took = timed_post(base, "/v1/chat/completions", key(KEYS[0]), json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400 and took < 10, r.text
+    assert "alternate" in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
+    ok, _ = timed_post(base, "/v1/chat/completions", key(KEYS[0]), json={"messages": chat("hi"), "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_history_per_key_keeps_clients_apart(strict):
+    base, _ = strict
+    body = {"prompt": "My secret plan is", "max_tokens": 16, "temperature": 0, "metasd_drafters": ["suffix"],
+            "metasd_policy": "fixed:suffix"}
+
+    def accepted(who: str) -> int:
+        r, _ = timed_post(base, "/v1/completions", key(who), json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["metasd"]["drafters"]["suffix"]["accepted"]
+
+    alice_first = accepted(KEYS[0])
+    assert accepted(KEYS[0]) > alice_first  # alice's own earlier output is drafted back
+    assert accepted(KEYS[1]) == alice_first  # bob sees none of it: as if no history existed
+    assert httpx.get(f"{base}/v1/models", headers=key(KEYS[1])).status_code == 200
+    assert httpx.get(f"{base}/v1/models", headers=key("sk-eve")).status_code == 401
+
+
+def test_history_scope_options_are_checked(embedded):
+    decoder = Decoder(drafters=POOL)
+    with pytest.raises(ValueError, match="needs API keys"):
+        create_app(decoder, history_scope="per-key")
+    with pytest.raises(ValueError, match="history_scope"):
+        create_app(decoder, history_scope="everyone")
+    with pytest.raises(ValueError, match="policy scope"):
+        create_app(Decoder(drafters=POOL, policy_scope="server"), api_key="k", history_scope="off")
+    with pytest.raises(ValueError, match="empty"):
+        create_app(decoder, api_key="a,,b")

@@ -12,11 +12,22 @@ from transformers import DynamicCache
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, by bisection on slice equality.
+
+    List comparison runs in C, so this costs O(n log n) machine steps instead of n Python steps: contexts grow
+    to thousands of tokens and this runs for every cache every round.
+    """
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class CachedModel:
@@ -42,6 +53,10 @@ class CachedModel:
             self.cache.crop(keep - len(self.tokens))
         new = tokens[keep:]
         out = self.model(input_ids=torch.tensor([new]), cache=self.cache, use_cache=True, logits_to_keep=last)
+        if self.cache.get_seq_length() != len(tokens):
+            # e.g. a transformers release whose forward ignores `cache=`: decoding would go on from garbage
+            raise RuntimeError(f"the KV cache holds {self.cache.get_seq_length()} tokens after a forward that "
+                               f"should leave {len(tokens)}; this transformers version is not supported")
         self.tokens = list(tokens)
         self.fed_tokens += len(new)
         logits = out.logits[0].float()

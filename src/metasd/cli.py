@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from .drafters import DRAFTER_KINDS
 from .policies import POLICY_NAMES
 
+DEFAULT_POLICY = "metasd-adaptive"  # = metasd.engine.DEFAULT_POLICY (not imported here: the CLI starts before torch)
+
 DEFAULT_DRAFTERS = "ngram,suffix,early-exit"
 
 
@@ -19,9 +21,11 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="hub id, directory or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--drafters", default=DEFAULT_DRAFTERS,
                         help=f"comma-separated pool; kinds: {', '.join(DRAFTER_KINDS)} (default: %(default)s)")
-    parser.add_argument("--policy", default="metasd-ucb",
+    parser.add_argument("--policy", default=DEFAULT_POLICY,
                         help=f"drafter selection: {', '.join(POLICY_NAMES)} (default: %(default)s)")
-    parser.add_argument("--draft-len", type=int, default=5, help="k, tokens drafted per round (default: %(default)s)")
+    parser.add_argument("--draft-len", type=int, default=5,
+                        help="k, tokens drafted per round by the classic policies; metasd-adaptive chooses k itself, "
+                             "up to its max parameter (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype; compare methods only at the same dtype (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
@@ -102,16 +106,51 @@ def _summary(stats) -> str:
     return "\n".join(lines)
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    if not 1 <= args.max_tokens <= 256:
+        raise ValueError(f"--max-tokens must be in 1..256, got {args.max_tokens}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from .costs import cache_file, calibration_key, load_or_calibrate
+    from .models import load_model
+
+    target = load_model(args.target, args.dtype)
+    table = load_or_calibrate(target.spec, target.model, args.max_tokens, refresh=args.refresh)
+    key = calibration_key(target.spec, target.model, args.max_tokens)
+    print(f"T(M) for {key['model']} ({key['dtype']}, {key['threads']} threads, {key['device']}); "
+          f"cache: {cache_file(key)}")
+    print(f"{'M':>4} {'ms':>9} {'T(M)/T(1)':>10}")
+    for m, t in enumerate(table, 1):
+        print(f"{m:>4} {t * 1000:>9.2f} {t / table[0]:>10.2f}")
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: completions, chat, SSE streaming, /metrics")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     srv.add_argument("--api-key", default=os.environ.get("METASD_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $METASD_API_KEY, else none)")
+                     help="require 'Authorization: Bearer KEY' on /v1/*; several keys: KEY1,KEY2 "
+                          "(default: $METASD_API_KEY, else none)")
+    srv.add_argument("--max-body-bytes", type=int, default=2 << 20,
+                     help="larger request bodies get 413 (default: %(default)s, 2 MiB)")
+    srv.add_argument("--history-scope", choices=["shared", "per-key", "off"], default="shared",
+                     help="what the suffix drafter learns across requests from: every client's outputs (shared), "
+                          "the same API key's only (per-key), or nothing (off) (default: %(default)s)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests that may wait behind the one decoding; more get 429 (default: %(default)s)")
     srv.add_argument("--policy-scope", choices=["request", "server"], default="request",
                      help="reset policy statistics per request or keep learning across them (default: %(default)s)")
+    srv.add_argument("--replicas", type=int, default=None,
+                     help="serve N replicas behind one endpoint on Ray Serve (pip install 'metasd[ray]'); with "
+                          "--policy-scope server they pool their bandit statistics (default: one process, no Ray)")
+    srv.add_argument("--ray", default=None, metavar="ADDRESS",
+                     help="with --replicas: a running Ray cluster (auto, HOST:PORT); default: a local instance")
+    srv.add_argument("--replica-cpus", type=float, default=None,
+                     help="with --replicas: CPUs reserved per replica, also its torch threads (default: 1)")
     add_decoder_args(srv)
     srv.set_defaults(handler=_serve)
 
@@ -121,14 +160,41 @@ def _serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
-    if args.api_key == "":
+    if args.api_key is not None and not all(args.api_key.split(",")):
         raise ValueError("--api-key is empty; give a real key or leave it out")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.history_scope == "per-key" and args.api_key is None:
+        raise ValueError("--history-scope per-key needs --api-key KEY[,KEY...]")
+    if args.history_scope != "shared" and args.policy_scope == "server":
+        raise ValueError(f"--history-scope {args.history_scope} isolates clients, but --policy-scope server shares "
+                         "one policy across them; use --policy-scope request")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"metasd: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    if args.replicas is not None:
+        _serve_replicas(args)
+        return
     from .server import serve
 
     serve(build_decoder(args, policy_scope=args.policy_scope), host=args.host, port=args.port, api_key=args.api_key,
-          max_queue=args.max_queue)
+          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, history_scope=args.history_scope)
+
+
+def _serve_replicas(args: argparse.Namespace) -> None:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replica_cpus is not None and args.replica_cpus <= 0:
+        raise ValueError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
+    try:
+        from .serve_ray import serve_replicas
+    except ImportError as err:
+        raise ValueError(f"--replicas needs Ray Serve: pip install 'metasd[ray]' ({err})") from None
+    decoder = {"target": args.target, "drafters": args.drafters, "policy": args.policy, "draft_len": args.draft_len,
+               "dtype": args.dtype, "policy_scope": args.policy_scope}
+    app = {"api_key": args.api_key, "max_queue": args.max_queue, "max_body_bytes": args.max_body_bytes,
+           "history_scope": args.history_scope}
+    serve_replicas(decoder, app, args.replicas, host=args.host, port=args.port, address=args.ray,
+                   replica_cpus=args.replica_cpus, threads=args.threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,9 +214,22 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_args(gen)
     gen.set_defaults(handler=_generate)
     _add_serve(sub)
+    cal = sub.add_parser("calibrate", help="measure T(M), the target's forward time for M new tokens, and cache it")
+    cal.add_argument("--max-tokens", type=int, default=13, help="largest M (default: %(default)s)")
+    cal.add_argument("--refresh", action="store_true", help="measure again even if the cache has this machine's table")
+    cal.add_argument("--target", default=None, help="hub id, directory or .gguf file (default: embedded SmolLM2)")
+    cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    cal.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    cal.set_defaults(handler=_calibrate)
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from .index import add_index_parser
+
+    add_index_parser(sub)
+    from .distill import add_distill_parser
+
+    add_distill_parser(sub)
 
     args = parser.parse_args(argv)
     try:

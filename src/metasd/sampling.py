@@ -11,10 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as vLLM): dividing logits by less overflows to inf/NaN
+TOP_P_FLOOR = 1e-8  # smaller top_p is raised to it: the same tokens (the top one only, for any vocabulary under 1e8)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """temperature 0 (or anything below GREEDY_BELOW = 1e-5) means greedy; top_k 0 and top_p 1 disable those
+    filters. From 1e-5 up, logits / temperature stays finite in float32 for any logit a model produces, and a top_p
+    below TOP_P_FLOOR (which float32 would round to 0, dropping every token) is raised to it, so every accepted
+    value gives finite probabilities."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -32,28 +38,34 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.top_p < TOP_P_FLOOR:
+            object.__setattr__(self, "top_p", TOP_P_FLOOR)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Rows of logits [n, V] -> rows of probabilities [n, V] under temperature, top-k and top-p.
 
-    Greedy decoding still gets temperature-1 probabilities: rewards (block divergence) need a distribution.
+    Greedy decoding gets the plain temperature-1 softmax: a model drafter's confidence and its argmax come from it,
+    and top-k / top-p cannot change an argmax, so the filters (a sort of the whole vocabulary) are skipped.
     """
     logits = logits.float()
-    if not params.greedy:
-        logits = logits / params.temperature
+    if params.greedy:
+        return torch.softmax(logits, dim=-1)
+    logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        # keep the smallest prefix whose mass reaches top_p; the most likely token always stays, whatever top_p
+        # rounds to, so a row can never become all zeros (NaN after normalising)
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

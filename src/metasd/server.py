@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 
+from .drafters.suffix import SHARED as SHARED_HISTORY
 from .engine import Decoder, Generation
 from .stats import GenerationStats
 
@@ -38,6 +39,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
 }
 MAX_STOP = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # per stop string: held-back text and the per-round check stay small
+MAX_BODY_BYTES = 2 << 20  # default --max-body-bytes: 2 MiB, far beyond any prompt that fits a context
+HISTORY_SCOPES = ("shared", "per-key", "off")
 
 
 class ApiError(Exception):
@@ -73,8 +77,9 @@ class _Request(BaseModel):
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP or not all(stops):
-            raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
+        if len(stops) > MAX_STOP or not all(stops) or max(map(len, stops), default=0) > MAX_STOP_CHARS:
+            raise ApiError(400, f"stop must be a non-empty string of at most {MAX_STOP_CHARS} characters or a list "
+                                f"of at most {MAX_STOP} of them", "stop")
         return stops
 
     def check(self) -> None:
@@ -128,6 +133,7 @@ class _Job:
     stops: list[str]
     stream: bool
     loop: asyncio.AbstractEventLoop
+    history: str | None = ""  # which suffix history the request reads and extends (None: none)
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
@@ -187,16 +193,41 @@ def _find_stop(text: str, stops: list[str]) -> int | None:
 
 def _sendable(text: str, stops: list[str]) -> int:
     """How much of a partial text may be streamed: not a trailing incomplete character (it decodes to U+FFFD until
-    its last byte arrives) nor a tail that could still grow into a stop string."""
+    its last byte arrives) nor a tail that could still grow into a stop string. O(len(stop)) per stop string: only
+    the last len(stop) - 1 characters can start one."""
     end = len(text.rstrip("\ufffd"))
-    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k], 0, end)), default=0)
+    held = max((_stop_prefix_at_end(text, end, s) for s in stops), default=0)
     return end - held
+
+
+def _stop_prefix_at_end(text: str, end: int, stop: str) -> int:
+    """The longest k < len(stop) with text[:end] ending in stop[:k] (Knuth-Morris-Pratt over the tail)."""
+    if len(stop) < 2:
+        return 0
+    fail = [0] * len(stop)  # fail[i]: the longest proper border of stop[:i + 1]
+    for i in range(1, len(stop)):
+        k = fail[i - 1]
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        fail[i] = k + (stop[i] == stop[k])
+    k = 0
+    for ch in text[max(0, end - len(stop) + 1) : end]:
+        while k and ch != stop[k]:
+            k = fail[k - 1]
+        if ch == stop[k]:
+            k += 1
+        if k == len(stop):  # a whole stop string (_find_stop cuts those): keep only its longest border
+            k = fail[k - 1]
+    return k
 
 
 class _Engine:
     """The worker thread that owns the Decoder, and its bounded FIFO of jobs."""
 
     def __init__(self, decoder: Decoder, max_queue: int, metrics: _Metrics):
+        from jinja2 import TemplateError
+
+        self._template_error = TemplateError
         self.decoder = decoder
         self.metrics = metrics
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
@@ -250,6 +281,8 @@ class _Engine:
             ids = dec.encode(job.prompt, job.raw)
         except ValueError as err:
             raise ApiError(400, str(err), "prompt" if job.raw else "messages") from None
+        except self._template_error as err:  # a strict chat template refused these messages: the client's error
+            raise ApiError(400, f"the model's chat template rejected the messages: {err}", "messages") from None
         if not all(0 <= t < dec.target.vocab_size for t in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {dec.target.vocab_size})", "prompt")
         context = dec.target.max_length
@@ -257,6 +290,9 @@ class _Engine:
         if len(ids) >= context or len(ids) + max_new > context:
             raise ApiError(400, f"this model's context is {context} tokens, but the prompt has {len(ids)} and "
                                 f"max_tokens asks for {max_new} more", "max_tokens", "context_length_exceeded")
+        for drafter in dec.drafters.values():  # the request's own history (--history-scope), before it begins
+            if hasattr(drafter, "use_history"):
+                drafter.use_history(job.history)
         try:
             return dec.stream(ids, max_new_tokens=max_new, **job.options)
         except ValueError as err:
@@ -315,10 +351,31 @@ def _error_body(err: ApiError) -> dict:
 _Body = TypeVar("_Body", bound=BaseModel)
 
 
-async def _parse(request: Request, schema: type[_Body]) -> _Body:
-    """The body as JSON whatever its Content-Type (curl -d sends a form type); one readable 400 otherwise."""
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 415 unless it is declared JSON (a browser sends text/plain and form types cross-site
+    without a CORS preflight) and with 413 once it exceeds `limit` bytes: by its Content-Length before reading,
+    and while reading (a chunked body has none)."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, got {media or 'none'!r} "
+                            "(with curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
+    too_large = ApiError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)", code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+async def _parse(request: Request, schema: type[_Body], limit: int) -> _Body:
+    """The body as a JSON object of `schema`; one readable 4xx otherwise."""
+    raw = await _read_body(request, limit)
     try:
-        data = json.loads(await request.body())
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
     if not isinstance(data, dict):
@@ -333,13 +390,31 @@ async def _parse(request: Request, schema: type[_Body]) -> _Body:
         raise ApiError(400, f"{param}: {first['msg']}", param) from None
 
 
-def create_app(decoder: Decoder, api_key: str | None = None, max_queue: int = 64) -> FastAPI:
-    """An app serving `decoder`; the worker thread runs between the app's startup and shutdown."""
+def create_app(decoder: Decoder, api_key: str | Sequence[str] | None = None, max_queue: int = 64,
+               max_body_bytes: int = MAX_BODY_BYTES, history_scope: str = "shared") -> FastAPI:
+    """An app serving `decoder`; the worker thread runs between the app's startup and shutdown.
+
+    api_key: one key, several (a list, or one string with commas), or None (no authentication).
+    history_scope: what the `suffix` drafter learns across requests from: `shared` (every request's output, the
+    default), `per-key` (only earlier outputs of requests with the same API key) or `off` (nothing).
+    """
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-    if api_key == "":
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    keys = api_key.split(",") if isinstance(api_key, str) else list(api_key) if api_key is not None else None
+    if keys is not None and (not keys or not all(keys)):
         raise ValueError("the API key is empty; give a real key or none")
+    if history_scope not in HISTORY_SCOPES:
+        raise ValueError(f"history_scope must be one of {', '.join(HISTORY_SCOPES)}, got {history_scope!r}")
+    if history_scope == "per-key" and keys is None:
+        raise ValueError("history scope 'per-key' needs API keys (--api-key KEY[,KEY...])")
+    if history_scope != "shared" and decoder.policy_scope == "server":
+        raise ValueError(f"history scope {history_scope!r} isolates clients, but policy scope 'server' shares one "
+                         "policy (and its statistics in every response) across all of them; use policy scope "
+                         "'request'")
     model_name = decoder.target.spec
+    max_chars = _max_prompt_chars(decoder.tokenizer, decoder.target.max_length)
     metrics = _Metrics(decoder.drafter_names)
     engine = _Engine(decoder, max_queue, metrics)
 
@@ -369,12 +444,18 @@ def create_app(decoder: Decoder, api_key: str | None = None, max_queue: int = 64
         return fail(ApiError(500, f"internal error: {exc}", kind="server_error"))
 
     async def authorize(request: Request) -> None:
-        if api_key is None:
+        """401 unless a configured key is sent; request.state.history is the suffix history the request may use."""
+        request.state.history = None if history_scope == "off" else SHARED_HISTORY
+        if keys is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+        # compare with every key (no early exit), so timing does not tell which one nearly matched
+        matches = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", kind="authentication_error")
+        if history_scope == "per-key":
+            request.state.history = f"key-{matches.index(True)}"
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -392,9 +473,11 @@ def create_app(decoder: Decoder, api_key: str | None = None, max_queue: int = 64
         if body.model not in (None, model_name):
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model",
                            "model_not_found")
+        _check_prompt_size(prompt, chat, max_chars, decoder.target.max_length)
         options = {"temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p, "seed": body.seed,
                    "policy": body.metasd_policy, "drafters": body.metasd_drafters}
-        job = _Job(prompt, not chat, max_tokens, options, body.stops(), body.stream, asyncio.get_running_loop())
+        job = _Job(prompt, not chat, max_tokens, options, body.stops(), body.stream, asyncio.get_running_loop(),
+                   history=request.state.history)
         engine.submit(job)
         reply = _Reply(job, model_name, chat)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
@@ -426,12 +509,12 @@ def create_app(decoder: Decoder, api_key: str | None = None, max_queue: int = 64
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, max_body_bytes)
         return await respond(request, body, body.prompt, chat=False, max_tokens=body.max_tokens or 16)
 
     @v1.post("/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await _parse(request, ChatRequest)
+        body = await _parse(request, ChatRequest, max_body_bytes)
         messages = [m.as_dict() for m in body.messages]
         return await respond(request, body, messages, chat=True, max_tokens=body.max_completion_tokens
                              or body.max_tokens)
@@ -439,6 +522,33 @@ def create_app(decoder: Decoder, api_key: str | None = None, max_queue: int = 64
     app.include_router(v1)
 
     return app
+
+
+def _max_prompt_chars(tokenizer: Any, context: int) -> int:
+    """More characters than this cannot fit in `context` tokens: no token stands for more characters than the
+    longest string in the vocabulary (+1 for a space a decoder may insert), times 4 where a normalizer could
+    compose characters (NFC turns up to 3 code points into 1). Computed once, so an over-long prompt is refused
+    before the worker spends seconds tokenizing it."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1) + 1
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizes = backend is None or backend.normalizer is not None
+    return context * longest * (4 if normalizes else 1)
+
+
+def _check_prompt_size(prompt: Any, chat: bool, max_chars: int, context: int) -> None:
+    """Refuse, in the event loop, a prompt that surely exceeds the context: by token count for ids, by characters
+    for text (the worker later checks the exact token count of what passes)."""
+    if isinstance(prompt, list) and not chat:
+        size, unit = len(prompt), "token ids"
+        limit = context
+    else:
+        size = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        unit, limit = "characters", max_chars
+    if chat and len(prompt) > context:  # a chat template marks every turn with at least one token
+        size, unit, limit = len(prompt), "messages", context
+    if size > limit:
+        raise ApiError(400, f"this model's context is {context} tokens, and a prompt of {size} {unit} cannot fit in "
+                            "it", "messages" if chat else "prompt", "context_length_exceeded")
 
 
 async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
@@ -508,12 +618,13 @@ def _json(body: dict) -> str:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 
-def serve(decoder: Decoder, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = 64) -> None:
+def serve(decoder: Decoder, host: str = "127.0.0.1", port: int = 8000, api_key: str | Sequence[str] | None = None,
+          max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES, history_scope: str = "shared") -> None:
     """Run the server until interrupted (the `metasd serve` command)."""
     import uvicorn
 
     # On shutdown, give in-flight requests 10 s, then cancel them (which stops their jobs) rather than wait for
     # every queued generation to finish.
-    uvicorn.run(create_app(decoder, api_key=api_key, max_queue=max_queue), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=10)
+    app = create_app(decoder, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                     history_scope=history_scope)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)

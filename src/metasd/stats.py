@@ -8,14 +8,18 @@ from itertools import pairwise
 
 @dataclass(frozen=True)
 class Round:
-    drafter: str | None  # None: a plain target step (policy `none`)
+    """One target forward. Counts are of what was emitted: on the last round the end-of-sequence token or
+    max_new_tokens can cut accepted tokens (and the target's own token) off, and those are not counted."""
+
+    drafter: str | None  # None: a plain target step (policy `none`, or a policy that chose k = 0)
     drafted: int
-    accepted: int
+    accepted: int  # drafted tokens emitted
     reward: float | None
     catch_up: int  # context tokens this drafter had missed while others drafted
     draft_time: float
     verify_time: float
-    policy_time: float  # select + reward + update
+    policy_time: float  # choose + proposals for hindsight + feedback
+    emitted: int  # tokens this round added to the output: accepted + the target's own, unless cut
 
 
 @dataclass
@@ -39,8 +43,8 @@ class GenerationStats:
 
     @property
     def mean_accepted_tokens(self) -> float:
-        """Tokens gained per target forward: accepted + 1 per round, as vLLM counts."""
-        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+        """Tokens gained per target forward (accepted + the target's own token), as vLLM counts."""
+        return sum(r.emitted for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
 
     @property
     def tokens_per_second(self) -> float:

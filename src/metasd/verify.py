@@ -17,6 +17,7 @@ import torch
 class Verdict:
     accepted: int  # drafted tokens kept
     next_token: int  # the target's own token after them (correction or bonus)
+    target_tokens: list[int] | None = None  # greedy: the target's argmax at every drafted position and after
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verdict:
@@ -25,7 +26,7 @@ def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verdict:
     n = 0
     while n < len(draft) and draft[n] == choice[n]:
         n += 1
-    return Verdict(n, choice[n])
+    return Verdict(n, choice[n], choice)
 
 
 def verify_sampling(

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from .presets import PRESETS, QUICK
+from .presets import DRIFT, PRESETS, QUICK
 
 DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"
 DEFAULT_DRAFTERS = "ngram,suffix,early-exit"
@@ -48,14 +48,43 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help=f"1 question per Spec-Bench group, {QUICK['max_new_tokens']} new tokens, every method "
                         "(about 10 minutes on 2 cores)")
     p.add_argument("--preset", choices=PRESETS, default=None,
-                   help="qwen-coder: Qwen2.5-Coder-1.5B target + 0.5B lm: drafter beside ngram, suffix, early-exit")
+                   help="qwen-coder: Qwen2.5-Coder-1.5B target + 0.5B lm: drafter beside ngram, suffix, early-exit; "
+                        "drift: the same as --drift")
+    p.add_argument("--drift", action="store_true",
+                   help="drift workload: each request asks two Spec-Bench tasks of different groups in one turn "
+                        "(copying then reasoning or code, two translation directions), built from --seed; "
+                        "--categories then takes drift kinds (drift-copy-math, drift-copy-code, drift-translation), "
+                        "--per-category counts per kind (default 3), 192 new tokens; same as --preset drift")
     p.add_argument("--models-dir", default=None,
                    help="where the qwen-coder pair lives (default: $METASD_MODELS or ~/.cache/metasd-models)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up call of each method")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_cluster_args(p)
     p.set_defaults(handler=bench_command, bench_parser=p)
     return p
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """`--ray`, `--workers`, `--worker-cpus`, `--resume` (bench/distributed.py)."""
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="shard the questions over Ray workers (pip install 'metasd[ray]'); ADDRESS of a running "
+                        "cluster (auto, HOST:PORT, ray://HOST:10001), none: start a local Ray instance")
+    p.add_argument("--workers", type=int, default=None, help="Ray workers (default: one per node)")
+    p.add_argument("--worker-cpus", type=int, default=None,
+                   help="CPUs per Ray worker, also its torch threads unless --threads (default: what fits one "
+                        "worker per node)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep each finished question in OUT/partial/ and skip those already there (start a long "
+                        "run with it, rerun the same command after an interruption; --ray always keeps them)")
+
+
+def drift_methods() -> list[str]:
+    """The drift workload's default methods (bench/drift.py), less any policy this build does not have."""
+    from .drift import METHODS
+    from .methods import ORACLES, POLICIES
+
+    return [m for m in METHODS if m in ("ar", *ORACLES) or m.partition(":")[0] in POLICIES]
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -88,16 +117,26 @@ def bench_command(args: argparse.Namespace) -> None:
     if args.preset:
         settings.update(preset(args.preset, args.models_dir))
         extra["preset"] = args.preset
+    if args.drift:
+        settings.update(DRIFT)
     explicit = {"categories": args.categories, "per_category": args.per_category,
                 "max_new_tokens": args.max_new_tokens, "drafters": args.drafters, "target": args.target,
                 "dtype": args.dtype}
     settings.update({key: value for key, value in explicit.items() if value is not None})
-    cfg = BenchConfig(questions=args.questions, out=args.out, methods=args.methods, draft_len=args.draft_len,
+    methods = args.methods if args.methods is not None or not settings.get("drift") else drift_methods()
+    cfg = BenchConfig(questions=args.questions, out=args.out, methods=methods, draft_len=args.draft_len,
                       seed=args.seed, threads=args.threads, policy_scope=args.policy_scope,
                       warmup=not args.no_warmup,
                       progress=not args.no_progress, plots=not args.no_plots,
                       command=command_line(args), extra=extra, **settings)
-    summary = run_bench(cfg)
+    if args.ray is not None or args.resume:
+        from .distributed import ClusterOptions, run_distributed
+
+        summary = run_distributed(cfg, ClusterOptions(args.ray, args.workers, args.worker_cpus, args.resume))
+    else:
+        if args.workers is not None or args.worker_cpus is not None:
+            raise ValueError("--workers and --worker-cpus need --ray")
+        summary = run_bench(cfg)
     overall = {m: e["overall"] for m, e in summary["methods"].items()}
     print(f"wrote {cfg.out}/summary.json, report.md, answers/ and {len(summary['plots'])} plots", file=sys.stderr)
     for method, o in overall.items():

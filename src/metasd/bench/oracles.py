@@ -162,5 +162,5 @@ def regret(table: AcceptanceTable, rounds: Sequence[Round], drafter_names: Seque
             chosen = int(row[index[r.drafter]])
             per_round.append(int(row.max()) - chosen)
             disagreements += chosen != r.accepted
-        pos += r.accepted + 1
+        pos += r.emitted
     return Regret(per_round, disagreements)

@@ -41,7 +41,8 @@ def speedup_heatmap(summary: dict, path: Path) -> None:
 def showcase(results: dict[str, dict[int, QuestionRecord]], summary: dict, limit: int = 4) -> list[tuple[int, str]]:
     """The first question of up to `limit` different groups: (question id, group)."""
     picked, seen = [], set()
-    for q in summary["questions"]:
+    known = drift_boundaries(summary)  # drift requests: prefer those whose boundary is known
+    for q in sorted(summary["questions"], key=lambda q: q["question_id"] not in known):
         if q["group"] not in seen:
             seen.add(q["group"])
             picked.append((q["question_id"], q["group"]))
@@ -72,13 +73,35 @@ def drafter_picks(results, summary: dict, drafters: list[str], path: Path) -> bo
             grid[i, : len(r)] = r
         ax.imshow(grid, cmap=colors, vmin=-0.5, vmax=len(drafters) + 0.5, aspect="auto", interpolation="nearest")
         ax.set_yticks(range(len(methods)), [label(m) for m in methods], fontsize=8)
-        ax.set_title(f"question {qid} ({group}), turn 1", fontsize=9, loc="left")
+        title = f"question {qid} ({group}), turn 1"
+        boundary = drift_boundaries(summary).get(qid)
+        if boundary is not None:
+            mark_boundary(ax, [results[m][qid].turns[0].rounds or [] for m in methods], boundary)
+            title += f"; black bars: the round holding output token {boundary}, where the task changes"
+        ax.set_title(title, fontsize=9, loc="left")
         ax.set_xlabel("round")
     handles = [Patch(color=PALETTE[i], label=label(d)) for i, d in enumerate(drafters)]
     handles.append(Patch(color="#dddddd", label="no draft (last token)"))
     fig.legend(handles=handles, loc="outside upper center", ncol=min(len(handles), 5), fontsize=8)
     fig.savefig(path, dpi=110)
     return True
+
+
+def drift_boundaries(summary: dict) -> dict[int, int]:
+    """Question id -> the output token where a drift request's second task starts (bench/drift.py), where known."""
+    rows = (summary.get("drift") or {}).get("requests", [])
+    return {r["question_id"]: r["boundary_token"] for r in rows if r["boundary_token"] is not None}
+
+
+def mark_boundary(ax, round_logs: list, boundary: int) -> None:
+    """On each row, a bar at the round whose output span holds token `boundary` (rows advance at their own pace)."""
+    for row, rounds in enumerate(round_logs):
+        pos = 0
+        for index, r in enumerate(rounds):
+            if pos + r.emitted > boundary:
+                ax.plot([index, index], [row - 0.45, row + 0.45], color="black", linewidth=2.2)
+                break
+            pos += r.emitted
 
 
 def cumulative_regret(results, summary: dict, drafters: list[str], tables: dict[int, list[AcceptanceTable]],

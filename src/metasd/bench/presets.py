@@ -17,7 +17,10 @@ QUICK = {"categories": list(GROUPS), "per_category": 1, "max_new_tokens": 64}
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 QWEN_DRAFTER = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 PAIR_SCRIPT = "../shared/models/qwen-coder-pair.sh"
-PRESETS = ("qwen-coder",)
+PRESETS = ("qwen-coder", "drift")
+# `--drift` / `--preset drift`: requests that change task midway (bench/drift.py), 3 per kind (9 in all). 192 new
+# tokens: the first answer must end early enough that the second one starts within the budget.
+DRIFT = {"drift": True, "categories": None, "per_category": 3, "max_new_tokens": 192}
 
 
 def default_models_dir() -> Path:
@@ -40,4 +43,6 @@ def qwen_coder(models_dir: str | Path | None = None) -> dict:
 def preset(name: str, models_dir: str | Path | None = None) -> dict:
     if name == "qwen-coder":
         return qwen_coder(models_dir)
+    if name == "drift":
+        return dict(DRIFT)
     raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")

@@ -128,6 +128,50 @@ def render(summary: dict, plots: list[str]) -> str:
                 "and BE (block efficiency, accepted / k) of the same rounds. Zero: reward ≤ 1e-6.", ""]
         out += _table(["drafter", "rounds", "BD mean", "BD var", "BD zero", "BE mean", "BE var", "BE zero"], rows)
 
+    if summary.get("drift"):
+        out += _drift(summary)
     if plots:
         out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(line for line in out) + "\n"
+
+
+def _drift(summary: dict) -> list[str]:
+    """The drift workload (bench/drift.py): per request, each method against ar, the static router and oracle-round."""
+    d = summary["drift"]
+    rows = d["requests"]
+    if not rows:
+        return []
+    out = ["## Drift within a request", "",
+           f"Each request asks two tasks in one turn (prompts in `{d.get('prompts_file', 'drift_prompts.jsonl')}`); "
+           f"the boundary is the output token where `{d['marker']}` starts in `ar`'s output ({d['with_boundary']} of "
+           f"{len(rows)} requests have one; – where the model never wrote the marker). Static router: the fixed "
+           "drafter with the best tokens/s on that request, in hindsight (a per-request `oracle-category`).", ""]
+    out += _table(["request", "kind", "request 1", "request 2", "boundary / tokens", "static router"],
+                  [[str(r["question_id"]), r["kind"], f"{r['first']['category']} {r['first']['question_id']}",
+                    f"{r['second']['category']} {r['second']['question_id']}",
+                    f"{_fmt(r['boundary_token'])} / {r['new_tokens']}", f"`{label(r['static_router'] or '–')}`"]
+                   for r in rows])
+    methods = [m for m in d["overall"] if m != "ar"]
+    for key, title in (("vs_ar", "Speedup over `ar`"), ("vs_static_router", "Speed relative to the static router"),
+                       ("vs_oracle_round", "Speed relative to `oracle-round`")):
+        if all(r[key] is None for r in rows):
+            continue
+        table = [[f"`{label(m)}`", *(_fmt((r[key] or {}).get(m)) for r in rows), _fmt(d["overall"][m][key])]
+                 for m in methods]
+        out += [f"{title} per drift request (overall: ratio of mean tokens/s):", ""]
+        out += _table(["method", *(str(r["question_id"]) for r in rows), "overall"], table)
+    drafters = summary["config"]["drafters"]
+    split = [r for r in rows if r["boundary_token"] is not None]
+    if split:
+        table = []
+        for m in [m for m in methods if m in split[0]["picks"]]:
+            cells = []
+            for seg in ("1", "2"):
+                counts = {dr: sum(r["picks"][m][seg].get(dr, 0) for r in split) for dr in drafters}
+                total = sum(counts.values())
+                cells += [_fmt(counts[dr] / total, 0, True) if total else "–" for dr in drafters]
+            table.append([f"`{label(m)}`", *cells])
+        out += ["Share of drafting rounds per drafter before (1) and after (2) the boundary, requests with one:", ""]
+        out += _table(["method", *(f"1: {label(dr)}" for dr in drafters), *(f"2: {label(dr)}" for dr in drafters)],
+                      table)
+    return out

@@ -44,6 +44,7 @@ class BenchConfig:
     plots: bool = True
     command: str | None = None  # recorded in the report
     extra: dict = field(default_factory=dict)  # recorded in summary.json (e.g. the preset)
+    drift: bool = False  # the drift workload (bench/drift.py): categories are drift kinds, per_category per kind
 
     def check(self) -> None:
         for name in ("max_new_tokens", "draft_len"):
@@ -60,6 +61,10 @@ class BenchConfig:
 
 
 def _select(cfg: BenchConfig) -> list[Question]:
+    if cfg.drift:
+        from .drift import drift_questions
+
+        return drift_questions(cfg.questions, cfg.seed, cfg.per_category, cfg.categories)
     questions = select_questions(load_questions(cfg.questions), cfg.categories, cfg.per_category)
     order = {"mt_bench": 0, "translation": 1, "summarization": 2, "qa": 3, "math_reasoning": 4, "rag": 5}
     return sorted(questions, key=lambda q: order.get(q.group, 99))  # stable: selection order within a group
@@ -186,6 +191,12 @@ def run_bench(cfg: BenchConfig) -> dict:
         **cfg.extra,
     }
     summary = summarize(results, questions, methods, names, tables, paths, config)
+    return write_outputs(cfg, summary, results, questions, timed, names, tables, started)
+
+
+def write_outputs(cfg: BenchConfig, summary: dict, results: dict, questions: list[Question], timed: list[str],
+                  names: list[str], tables: dict, started: float) -> dict:
+    """answers/, plots, summary.json and report.md into cfg.out (also the merge step of `bench --ray`)."""
     out = Path(cfg.out).expanduser()
     answers = out / "answers"
     answers.mkdir(parents=True, exist_ok=True)
@@ -199,6 +210,10 @@ def run_bench(cfg: BenchConfig) -> dict:
         write_answers(path, method, results[method], questions)
         files[method] = str(path.relative_to(out))
     summary["answer_files"] = files
+    if cfg.drift:
+        from .drift import add_drift
+
+        add_drift(cfg, summary, results, out)
     plots: list[str] = []
     if cfg.plots:
         from .plots import write_plots

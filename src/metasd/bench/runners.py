@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..policies import _ArmStats
 from ..stats import Round
 from .questions import Question
 
@@ -84,7 +85,7 @@ def engine_turn(decoder, policy: str, max_new_tokens: int, seed: int | None,
         result = generation.result()
         rounds = list(result.stats.rounds)
         return TurnRecord(list(ids), list(result.token_ids), result.text, wall,
-                          [r.accepted + 1 for r in rounds], rounds, result.finish_reason)
+                          [r.emitted for r in rounds], rounds, result.finish_reason)
 
     return run
 
@@ -160,22 +161,18 @@ def hf_turn(decoder, mode: str, max_new_tokens: int, draft_len: int, assistant: 
     return run
 
 
-class ScriptedPolicy:
-    """Replays a hindsight choice: at each round, the drafter `choose(position)` names for the current position.
+class ScriptedPolicy(_ArmStats):
+    """Replays a hindsight choice: at each round, the drafter `script(position)` names for the current position.
 
-    It plugs into a Generation like any policy (select / update / reset); `bind` gives it the Generation so it can
-    read how many tokens are out. The choice costs a list lookup, so the replay times the drafting and verification
-    the oracle's choices cause, not the hindsight search.
+    It plugs into a Generation like any bandit; `bind` gives it the Generation so it can read how many tokens are
+    out. The choice costs a list lookup, so the replay times the drafting and verification the oracle's choices
+    cause, not the hindsight search.
     """
 
-    reward = "bd"
-    full_information = False
-
-    def __init__(self, n_arms: int, choose: Callable[[int], int]):
-        self.n_arms = n_arms
-        self.choose = choose
+    def __init__(self, n_arms: int, script: Callable[[int], int]):
+        self.script = script
         self.generation = None
-        self.reset()
+        super().__init__(n_arms)
 
     def bind(self, generation) -> None:
         if not hasattr(generation, "policy") or not hasattr(generation, "token_ids"):
@@ -183,16 +180,8 @@ class ScriptedPolicy:
         generation.policy = self
         self.generation = generation
 
-    def reset(self) -> None:
-        self.pulls = [0] * self.n_arms
-        self.mean_rewards = [0.0] * self.n_arms
-
     def select(self) -> int:
-        return self.choose(len(self.generation.token_ids))
-
-    def update(self, arm: int, reward: float) -> None:
-        self.pulls[arm] += 1
-        self.mean_rewards[arm] += (reward - self.mean_rewards[arm]) / self.pulls[arm]
+        return self.script(len(self.generation.token_ids))
 
 
 def oracle_turn(decoder, choices: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None) -> TurnRunner:

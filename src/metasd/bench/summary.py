@@ -91,7 +91,7 @@ def _reward_stats(results: Results, drafters: Sequence[str], draft_len: int, max
                         if r.reward is not None:
                             bd.append(r.reward)
                         be.append(r.accepted / k)
-                    pos += r.accepted + 1
+                    pos += r.emitted
         out[name] = {"bd": metrics.reward_stats(bd), "be": metrics.reward_stats(be)}
     return out
 
@@ -99,6 +99,7 @@ def _reward_stats(results: Results, drafters: Sequence[str], draft_len: int, max
 def summarize(results: Results, questions: list[Question], methods: list[str], drafters: list[str],
               tables: dict[int, list[AcceptanceTable]], paths: dict[int, list[OraclePath]], config: dict) -> dict:
     groups = [g for g in GROUPS if any(q.group == g for q in questions)]
+    groups += [g for g in dict.fromkeys(q.group for q in questions) if g not in GROUPS]  # e.g. the drift kinds
     by_group = {g: [q for q in questions if q.group == g] for g in groups}
     diffs = mismatches(results)
     bad_turns = {(d["method"], d["question_id"], d["turn"]) for d in diffs}

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from ..models import LoadedModel, load_model, same_tokenizer
 from .base import Draft, Drafter
+from .datastore import DatastoreDrafter, load_datastore
 from .early_exit import EarlyExitDrafter
 from .lm import ModelDrafter
 from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
-DRAFTER_KINDS = ("ngram[:MAX_N]", "suffix[:DEPTH]", "early-exit[:LAYERS]", "lm:MODEL")
+DRAFTER_KINDS = ("ngram[:MAX_N]", "suffix[:DEPTH]", "early-exit[:LAYERS]", "lm:MODEL", "datastore:PATH")
 
 __all__ = ["DRAFTER_KINDS", "Draft", "Drafter", "build_drafter", "parse_drafters"]
 
@@ -41,6 +42,12 @@ def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Dra
                 "a drafter must share the target's vocabulary"
             )
         return ModelDrafter(drafter.model, name=spec, vocab_size=target.vocab_size)
+    if kind == "datastore":
+        if not arg:
+            raise ValueError("drafter 'datastore:' needs an index directory (built by `metasd index`): datastore:PATH")
+        store = load_datastore(arg)
+        store.check_tokenizer(target.tokenizer, f"the target {target.spec!r}")
+        return DatastoreDrafter(store, name=spec)
     raise ValueError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_KINDS)}")
 
 

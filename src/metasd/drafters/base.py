@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -14,6 +15,33 @@ from ..sampling import SamplingParams
 class Draft:
     tokens: list[int]
     q: torch.Tensor | None = None  # [len(tokens), V] probabilities the tokens were drawn from; None = one-hot
+    # Per token, the drafter's own signal in [0, 1] of how sure it is (n-gram match length, the suffix index's
+    # continuation share, a model's probability of its token); None when it has none. Policies learn what each
+    # level of a drafter's signal is worth in accepted tokens (metasd.acceptance), so the scale need not be calibrated.
+    confidence: list[float] | None = None
+
+    def truncated(self, k: int) -> Draft:
+        """The first k tokens. Lossless for one-hot drafts (q None): their tokens are deterministic, so cutting
+        after looking at them biases nothing; a sampled draft may only be cut by a rule that sees earlier tokens."""
+        if k >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:k], None if self.q is None else self.q[:k],
+                     None if self.confidence is None else self.confidence[:k])
+
+
+StopRule = Callable[[int, torch.Tensor], bool]  # (position j from 0, q_j) -> stop before drawing token j
+
+
+@runtime_checkable
+class StoppableDrafter(Protocol):
+    """A drafter that can end its draft early: before drawing token j it asks stop(j, q_j).
+
+    The rule sees q_j but not the token drawn from it, so the draft stays an unbiased sample of q and sampled
+    verification stays exact (a cut that looked at the drawn token would favour tokens the drafter liked).
+    """
+
+    def propose_until(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                      stop: StopRule) -> Draft: ...
 
 
 @runtime_checkable

@@ -6,7 +6,7 @@ import torch
 
 from ..cached_model import CachedModel
 from ..sampling import SamplingParams, pick, probabilities
-from .base import Draft
+from .base import Draft, StopRule
 
 
 class ModelDrafter:
@@ -23,11 +23,24 @@ class ModelDrafter:
         pass
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        # logits_for() first catches the cache up on whatever context it has not seen (missed rounds, rejections)
+        return self.propose_until(context, k, params, generator, None)
+
+    def propose_until(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                      stop: StopRule | None) -> Draft:
+        """Up to k tokens; `stop(j, q_j)` may end the draft before token j is drawn.
+
+        Each token's confidence is the largest probability of its q (for greedy drafting, that of the token itself).
+        logits_for() first catches the cache up on whatever context it has not seen (missed rounds, rejections).
+        """
         seq = list(context)
-        rows = []
-        for _ in range(k):
+        rows: list[torch.Tensor] = []
+        confidence: list[float] = []
+        for j in range(k):
             q = probabilities(self.lm.logits_for(seq), params)[0]
+            top = float(q.max())
+            if stop is not None and stop(j, q):
+                break
             seq.append(pick(q, params, generator))
             rows.append(q)
-        return Draft(seq[len(context) :], torch.stack(rows) if rows else None)
+            confidence.append(top)
+        return Draft(seq[len(context):], torch.stack(rows) if rows else None, confidence)

@@ -34,5 +34,6 @@ class NgramDrafter:
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return Draft(ids[start : start + k].tolist())
+                tokens = ids[start : start + k].tolist()
+                return Draft(tokens, confidence=[n / self.max_ngram] * len(tokens))  # longer match, surer copy
         return Draft([])

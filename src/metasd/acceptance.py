@@ -1,0 +1,103 @@
+"""How likely a drafted token is to be accepted: per drafter, per level of its own confidence signal, per position.
+
+A cell holds (accepted, tried) for "token j of a draft from drafter d, with signal level b, given that tokens
+0..j-1 were accepted". The expected tokens of a k-token draft are then 1 + sum_j prod_{i<=j} a_i, which is what the
+adaptive policy weighs against T(k + 1). Estimates shrink toward the drafter's position-level mean (all signal
+levels pooled), and that toward an uninformed 1/2, so a fresh cell borrows what its neighbours know.
+
+Across requests: counts also accumulate in a history; `reset` starts a request from that history scaled down to at
+most `prior_weight` observations per cell, so a request starts informed but its own evidence soon dominates
+(prior_weight 0 is the paper's per-query reset). `gamma` < 1 forgets old rounds geometrically, for text whose
+character changes within a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+SIGNAL_LEVELS = 5  # confidence in [0, 1] -> 5 equal bins; one more bin for drafts without a signal
+POSITIONS = 4  # positions 0, 1, 2 and 3+
+_POOL_WEIGHT = 2.0  # pseudo-observations a cell borrows from its drafter's position mean
+_BASE_WEIGHT = 1.0  # and that mean from 1/2
+
+
+def signal_levels(confidence: Sequence[float] | None, m: int) -> np.ndarray:
+    if confidence is None:
+        return np.full(m, SIGNAL_LEVELS, dtype=np.int64)
+    c = np.clip(np.asarray(confidence[:m], dtype=float), 0.0, 1.0)
+    return np.minimum((c * SIGNAL_LEVELS).astype(np.int64), SIGNAL_LEVELS - 1)
+
+
+def positions(m: int) -> np.ndarray:
+    return np.minimum(np.arange(m), POSITIONS - 1)
+
+
+class AcceptanceModel:
+    def __init__(self, n_arms: int, prior_weight: float = 20.0, gamma: float = 1.0):
+        shape = (n_arms, SIGNAL_LEVELS + 1, POSITIONS)
+        self.prior_weight = prior_weight
+        self.gamma = gamma
+        self.history_accepted = np.zeros(shape)
+        self.history_tried = np.zeros(shape)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new request: start from the history, capped at prior_weight observations per cell."""
+        scale = np.minimum(1.0, self.prior_weight / np.maximum(self.history_tried, 1e-12))
+        self.accepted = self.history_accepted * scale
+        self.tried = self.history_tried * scale
+
+    def learn(self, arm: int, confidence: Sequence[float] | None, accepted: int, decided: int) -> None:
+        """Tokens 0..accepted-1 were accepted; token `accepted` was rejected if accepted < decided (the number of
+        positions whose fate is known: a draft's length, or fewer where the output ended)."""
+        n = min(accepted + 1, decided)
+        if n <= 0:
+            return
+        cells = (arm, signal_levels(confidence, n), positions(n))
+        hits = (np.arange(n) < accepted).astype(float)
+        for acc, tried in ((self.accepted, self.tried), (self.history_accepted, self.history_tried)):
+            np.add.at(acc, cells, hits)
+            np.add.at(tried, cells, 1.0)
+
+    def forget(self) -> None:
+        """One round passed: old evidence of this request weighs gamma times less (no-op at gamma 1)."""
+        if self.gamma < 1.0:
+            self.accepted *= self.gamma
+            self.tried *= self.gamma
+
+    def position_means(self, arm: int) -> np.ndarray:
+        """[POSITIONS] acceptance per position with all signal levels pooled."""
+        acc = self.accepted[arm].sum(0)
+        tried = self.tried[arm].sum(0)
+        return (acc + _BASE_WEIGHT * 0.5) / (tried + _BASE_WEIGHT)
+
+    def rates(self, arm: int, confidence: Sequence[float] | None, m: int) -> np.ndarray:
+        """[m] conditional acceptance of each token of an m-token draft with these signals."""
+        if m <= 0:
+            return np.zeros(0)
+        levels, pos = signal_levels(confidence, m), positions(m)
+        pooled = self.position_means(arm)[pos]
+        return (self.accepted[arm, levels, pos] + _POOL_WEIGHT * pooled) / (self.tried[arm, levels, pos] + _POOL_WEIGHT)
+
+    def rate_at(self, arm: int, confidence: float | None, position: int) -> float:
+        """Conditional acceptance of one token at `position` with this signal."""
+        level = int(signal_levels(None if confidence is None else [confidence], 1)[0])
+        pos = min(position, POSITIONS - 1)
+        pooled = self.position_means(arm)[pos]
+        hits, tried = self.accepted[arm, level, pos], self.tried[arm, level, pos]
+        return float((hits + _POOL_WEIGHT * pooled) / (tried + _POOL_WEIGHT))
+
+    def plan_rates(self, arm: int, m: int) -> np.ndarray:
+        """[m] conditional acceptance before the draft exists (its signals unknown): the position means."""
+        return self.position_means(arm)[positions(m)]
+
+    def evidence(self, arm: int) -> float:
+        """Observations behind arm's estimates in this request (prior included): what optimism shrinks with."""
+        return float(self.tried[arm].sum())
+
+
+def expected_tokens(rates: np.ndarray) -> np.ndarray:
+    """[m + 1] expected tokens a round yields when the first k = 0..m drafted tokens are sent (1 = the target's own)."""
+    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(rates))])

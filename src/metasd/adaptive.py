@@ -1,0 +1,193 @@
+"""`metasd-adaptive`: each round, the (drafter, draft length) with the most expected tokens per second.
+
+For every option the policy knows E[tokens] = 1 + sum_j prod_{i<=j} a_i (acceptance model) and the time,
+T_draft + T(k + 1) + overhead (cost model, measured on this machine), and takes the best ratio; k = 0, a plain target
+step at rate 1 / (T(1) + overhead), is always an option, so a pool that cannot pay for itself costs almost nothing
+(one round in 100 is a plain step regardless, to keep T(1), the yardstick of every estimate, measured).
+
+- Drafters without a model (n-gram, suffix, datastore) propose every round, up to the longest draft, before the
+  choice: their proposals cost microseconds and their per-token signals (match length, continuation share) feed the
+  acceptance model, so the policy cuts each proposal at the length its signals justify. Their tokens are
+  deterministic, so cutting after seeing them keeps sampling exact. Each proposal is judged in hindsight against
+  the output (`hindsight.py`), whether it drafted or not: they need no exploration.
+- Drafters with a model are planned from position means before drafting, with an optimism bonus that shrinks as
+  evidence accumulates (the MetaSD bandit layer: a drafter is tried while it might be best). While drafting, a stop
+  rule ends the draft before token j when its q_j (seen before the token is drawn) says the expected extra tokens
+  are worth less than the verification time they add at the planned rate (HF's confidence threshold and
+  SpecDec++, with the threshold derived from the measured costs instead of fixed).
+
+Parameters (`metasd-adaptive[:beta=B,prior=W,gamma=G,max=K]`): beta (0.3) scales the optimism bonus; prior (20)
+caps the observations per cell carried from earlier requests (0 = the paper's per-query reset); gamma (1) forgets
+within a request; max (12) is the longest draft considered.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .acceptance import AcceptanceModel, expected_tokens
+from .costs import CostModel
+from .drafters.base import Draft, StopRule
+from .hindsight import Hindsight
+from .outcome import RoundOutcome
+
+DEFAULTS = {"beta": 0.3, "prior": 20.0, "gamma": 1.0, "max": 12}
+_BOUNDS = {"beta": (0.0, 10.0), "prior": (0.0, 1e6), "gamma": (0.5, 1.0), "max": (1, 64)}
+
+
+def parse_params(param: str) -> dict[str, float]:
+    """'beta=0.5,max=8' (or a bare number: beta) -> validated parameters, defaults filled in."""
+    out = dict(DEFAULTS)
+    for item in filter(None, (s.strip() for s in param.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            key, value = "beta", item
+        key = key.strip()
+        if key not in DEFAULTS:
+            raise ValueError(f"metasd-adaptive: unknown parameter {key!r}; use {', '.join(DEFAULTS)}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"metasd-adaptive: {key}={value!r} is not a number") from None
+        lo, hi = _BOUNDS[key]
+        if not (math.isfinite(number) and lo <= number <= hi):
+            raise ValueError(f"metasd-adaptive: {key} must be in [{lo}, {hi}], got {value}")
+        if key == "max" and number != int(number):
+            raise ValueError(f"metasd-adaptive: max must be an integer, got {value}")
+        out[key] = number
+    out["max"] = int(out["max"])
+    return out
+
+
+def canonical(params: dict[str, float]) -> str:
+    return "metasd-adaptive:" + ",".join(f"{k}={params[k]:g}" for k in DEFAULTS)
+
+
+class AdaptivePolicy:
+    reward = "rate"  # reported reward: the round's tokens per second relative to a plain target step
+    full_information = True
+    wants_proposals = True
+
+    def __init__(self, n_arms: int, beta: float = 0.3, prior: float = 20.0, gamma: float = 1.0, max: int = 12):
+        if n_arms < 1:
+            raise ValueError("a policy needs at least one drafter")
+        self.n_arms = n_arms
+        self.beta = beta
+        self.max_draft = int(max)
+        self.acceptance = AcceptanceModel(n_arms, prior_weight=prior, gamma=gamma)
+        self.costs: CostModel | None = None
+        self.names: list[str] = []
+        self.free: list[bool] = []
+        self.hindsight = Hindsight()
+        self.pulls = [0] * n_arms
+        self.mean_rewards = [0.0] * n_arms
+        self.rounds = 0
+        self._plan_rate = 0.0
+
+    def attach(self, costs: CostModel, names: Sequence[str], free: Sequence[bool]) -> None:
+        """The engine hands over the machine's cost model and which drafters propose for free."""
+        if len(names) != self.n_arms or len(free) != self.n_arms:
+            raise ValueError("attach() needs one name and one free flag per drafter")
+        self.costs, self.names, self.free = costs, list(names), list(free)
+
+    def reset(self) -> None:
+        self.acceptance.reset()
+        self.hindsight.clear()
+        self.pulls = [0] * self.n_arms
+        self.mean_rewards = [0.0] * self.n_arms
+        self.rounds = 0
+
+    # --- choosing --------------------------------------------------------------------------------------------------
+
+    def _bonus(self, arm: int) -> float:
+        return self.beta * math.sqrt(2.0 * math.log(self.rounds + 2) / (1.0 + self.acceptance.evidence(arm)))
+
+    def choose(self, k_max: int, proposals: Mapping[int, Draft], lags: Sequence[int]) -> tuple[int | None, int]:
+        costs = self._costs()
+        if costs.target.plain_step_due():  # keep T(1) measured: every other estimate is scaled by it
+            self._plan_rate = 0.0
+            return None, 0
+        overhead = costs.overhead.value or 0.0
+        t = np.array([costs.target(m) for m in range(1, k_max + 2)]) + overhead  # t[k]: time to verify k drafted
+        best: tuple[float, int | None, int] = (1.0 / t[0], None, 0)
+        for arm in range(self.n_arms):
+            if self.free[arm]:
+                draft = proposals.get(arm)
+                if draft is None or not draft.tokens:
+                    continue
+                m = min(len(draft.tokens), k_max)
+                gain = expected_tokens(self.acceptance.rates(arm, draft.confidence, m))
+                rate = gain / t[: m + 1]  # proposals are already paid for: only verification counts
+            else:
+                rates = np.minimum(self.acceptance.plan_rates(arm, k_max) + self._bonus(arm), 1.0)
+                gain = expected_tokens(rates)
+                cost = np.array([costs.drafter(self.names[arm]).estimate(k, lags[arm], t[0]) for k in range(k_max + 1)])
+                rate = gain / (t[: k_max + 1] + cost)
+            k = int(np.argmax(rate[1:])) + 1
+            if rate[k] > best[0]:
+                best = (float(rate[k]), arm, k)
+        self._plan_rate = best[0]
+        return best[1], best[2]
+
+    def stop_rule(self, arm: int, k: int) -> StopRule | None:
+        """For a model drafter: before drawing token j, stop unless tokens j.. are worth their verification time at
+        the planned rate (the rate this round was chosen for: what the time could earn elsewhere)."""
+        if self.free[arm]:
+            return None
+        costs = self._costs()
+        step = costs.drafter(self.names[arm]).estimate(1, 0, costs.target(1))
+        bonus = self._bonus(arm)
+        later = np.minimum(self.acceptance.plan_rates(arm, k) + bonus, 1.0)
+        state = {"reach": 1.0}  # probability that every token drafted so far is accepted
+
+        def stop(j: int, q) -> bool:
+            if j == 0:  # the plan paid for this token's forward already; sending it is also how the drafter is learned
+                state["reach"] = min(self.acceptance.rate_at(arm, float(q.max()), 0) + bonus, 1.0)
+                return False
+            # optimistic like the plan, or a drafter planned on its bonus is stopped before it can be learned from
+            a_j = min(self.acceptance.rate_at(arm, float(q.max()), j) + bonus, 1.0)
+            reach = state["reach"] * a_j * np.concatenate([[1.0], np.cumprod(later[j + 1 : k])])
+            gains = np.cumsum(reach)  # extra tokens from sending j..j+i
+            ends = np.arange(j + 1, k + 1)  # tokens sent
+            times = np.array([costs.target(e + 1) for e in ends]) - costs.target(j + 1) + step * (ends - j - 1)
+            if np.max(gains - self._plan_rate * times) <= 0:
+                return True
+            state["reach"] *= a_j
+            return False
+
+        return stop
+
+    # --- learning --------------------------------------------------------------------------------------------------
+
+    def feedback(self, outcome: RoundOutcome) -> float:
+        self.rounds += 1
+        arm = outcome.arm
+        self.acceptance.forget()
+        if arm is not None and not self.free[arm]:
+            drafted = len(outcome.draft.tokens)
+            self.acceptance.learn(arm, outcome.draft.confidence, outcome.accepted, drafted)
+        for a, draft in outcome.proposals.items():
+            self.hindsight.add(a, outcome.start, draft.tokens, draft.confidence)
+        self._resolve(outcome.context, final=False)
+        spent = outcome.draft_time + outcome.verify_time
+        score = (outcome.accepted + 1) * outcome.plain_step_time / spent if spent > 0 else 0.0
+        if arm is not None:
+            self.pulls[arm] += 1
+            self.mean_rewards[arm] += (score - self.mean_rewards[arm]) / self.pulls[arm]
+        return score
+
+    def finish(self, context: list[int]) -> None:
+        """The request ended: judge the proposals still waiting on as much output as there is."""
+        self._resolve(context, final=True)
+
+    def _resolve(self, context: list[int], final: bool) -> None:
+        for d in self.hindsight.resolve(context, final):
+            self.acceptance.learn(d.pending.arm, d.pending.info, d.matched, d.decided)
+
+    def _costs(self) -> CostModel:
+        if self.costs is None:
+            raise RuntimeError("metasd-adaptive needs the engine's cost model: call attach() first")
+        return self.costs

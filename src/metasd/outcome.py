@@ -1,0 +1,26 @@
+"""What one round did, as the engine hands it to the policy that chose it (each policy takes what it learns from)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .drafters.base import Draft
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    arm: int | None  # the drafter that drafted (None: a plain target step)
+    k: int  # the draft length the round allowed (what rewards divide by)
+    draft: Draft
+    accepted: int  # drafted tokens the acceptance rule kept (before any end-of-sequence cut)
+    start: int  # output position of the first drafted token = context length before the round
+    context: list[int]  # the whole context after the round (prompt + output so far)
+    p: torch.Tensor | None  # target probabilities at the drafted positions + 1 (sampling only)
+    target_tokens: list[int] | None  # the target's argmax at those positions (greedy only)
+    proposals: Mapping[int, Draft]  # what every free drafter proposed this round (when the policy asked)
+    draft_time: float
+    verify_time: float
+    plain_step_time: float  # the machine's current estimate of a 1-token target step (0 when not measured)

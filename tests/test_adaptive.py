@@ -1,0 +1,219 @@
+"""metasd-adaptive: the (drafter, k) decision from costs and acceptance, its learning, and the cost model's cache."""
+
+import json
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from metasd import Decoder, Draft
+from metasd.acceptance import AcceptanceModel, expected_tokens
+from metasd.adaptive import AdaptivePolicy, parse_params
+from metasd.costs import CostModel, TargetCost, cache_file, calibration_key, load_or_calibrate
+from metasd.hindsight import Hindsight
+from metasd.policies import build_policy, canonical_policy
+
+
+def policy_with(table, accept=0.9, n_arms=2, free=(True, False), beta=0.0, signal=1.0, trials=200):
+    """An adaptive policy whose acceptance model has seen `trials` tokens accepted at rate `accept` per cell."""
+    policy = AdaptivePolicy(n_arms, beta=beta, prior=0)
+    policy.attach(CostModel(TargetCost(table)), [f"d{i}" for i in range(n_arms)], list(free))
+    policy.costs.target.observe(1, table[0])  # a plain step measured: no check round due
+    hits = int(trials * accept)
+    for arm in range(n_arms):
+        for j in range(4):
+            policy.acceptance.accepted[arm, :, j] = hits
+            policy.acceptance.tried[arm, :, j] = trials
+    return policy
+
+
+def proposal(m=8, confidence=1.0):
+    return Draft(list(range(100, 100 + m)), confidence=[confidence] * m)
+
+
+def test_free_verification_drafts_long():
+    policy = policy_with([0.01] * 13)
+    assert policy.choose(8, {0: proposal()}, [0, 0]) == (0, 8)
+
+
+def test_expensive_multi_token_forwards_settle_on_a_plain_step():
+    table = [0.01 * m for m in range(1, 14)]  # T(M) = M * T(1): drafting can never pay
+    policy = policy_with(table, accept=0.6)
+    assert policy.choose(8, {0: proposal()}, [0, 0]) == (None, 0)
+
+
+def test_length_follows_the_cost_curve():
+    # verifying 2 tokens is as dear as 3, so with a sure drafter k = 2 beats k = 1; past 3 tokens the cost jumps
+    table = [0.010, 0.012, 0.012, 0.100, 0.100, 0.100, 0.100, 0.100, 0.100]
+    arm, k = policy_with(table, accept=0.95).choose(8, {0: proposal()}, [0, 0])
+    assert (arm, k) == (0, 2)
+
+
+def test_weak_signals_shorten_the_draft():
+    policy = policy_with([0.010 + 0.002 * m for m in range(13)], accept=0.9)
+    policy.acceptance.accepted[0, :2] = 0  # the two lowest signal levels are never accepted
+    sure = proposal(6, 1.0)
+    mixed = Draft(sure.tokens, confidence=[1.0, 1.0, 1.0, 0.1, 0.1, 0.1])
+    assert policy.choose(6, {0: sure}, [0, 0]) == (0, 6)
+    assert policy.choose(6, {0: mixed}, [0, 0]) == (0, 3)
+
+
+def test_model_drafter_pays_for_drafting_and_catch_up():
+    table = [0.010] * 13
+    policy = policy_with(table, accept=0.8, free=(False, False))
+    policy.costs.drafter("d0").step.add(0.0005)  # cheap drafter
+    policy.costs.drafter("d1").step.add(0.0100)  # as slow as the target
+    assert policy.choose(6, {}, [0, 0])[0] == 0
+    policy.costs.drafter("d0").catch_up.add(0.002)
+    arm, _ = policy.choose(6, {}, [500, 0])  # d0 missed 500 tokens: a 1 s catch-up
+    assert arm != 0
+
+
+def test_optimism_tries_an_unknown_model_drafter():
+    policy = AdaptivePolicy(2, beta=0.3, prior=0)
+    policy.attach(CostModel(TargetCost([0.010] * 13)), ["free", "model"], [True, False])
+    assert policy.choose(4, {}, [0, 0]) == (None, 0)  # first a plain step: T(1) is every estimate's yardstick
+    policy.costs.target.observe(1, 0.010)
+    arm, k = policy.choose(4, {0: Draft([])}, [0, 0])
+    assert arm == 1 and k >= 1
+
+
+def test_stop_rule_ends_a_draft_whose_tokens_are_unlikely():
+    policy = policy_with([0.010 + 0.004 * m for m in range(13)], accept=0.9, free=(False, False))
+    policy.acceptance.accepted[0, :2] = 0  # low-confidence tokens are never accepted
+    policy.choose(6, {}, [0, 0])
+    stop = policy.stop_rule(0, 6)
+    sure, unsure = torch.tensor([0.95, 0.05]), torch.tensor([0.2] * 5)
+    assert stop(0, sure) is False and stop(1, sure) is False
+    assert stop(2, unsure) is True
+
+
+def test_acceptance_model_learns_per_signal_and_position_and_starts_from_history():
+    model = AcceptanceModel(1, prior_weight=10)
+    for _ in range(100):
+        model.learn(0, [1.0, 1.0, 1.0], accepted=3, decided=3)
+        model.learn(0, [0.1, 0.1], accepted=0, decided=2)  # rejected at position 0: position 1 never tried
+    assert model.rates(0, [1.0, 1.0, 1.0], 3).min() > 0.9
+    assert model.rates(0, [0.1], 1)[0] < 0.1
+    model.reset()
+    assert model.tried.max() <= 10 + 1e-9 and model.rates(0, [1.0], 1)[0] > 0.8  # history as a bounded prior
+    assert AcceptanceModel(1).rates(0, None, 2).tolist() == [0.5, 0.5]  # uninformed
+    assert expected_tokens(np.array([1.0, 0.5])).tolist() == [1.0, 2.0, 2.5]
+
+
+def test_hindsight_waits_for_the_output_that_decides_a_proposal():
+    h = Hindsight()
+    h.add(0, 2, [5, 6, 7])
+    assert h.resolve([1, 2, 5]) == []  # one token out, it matched: undecided
+    (d,) = h.resolve([1, 2, 5, 6, 9])
+    assert (d.matched, d.decided) == (2, 3)  # rejected at its third token
+    h.add(1, 0, [1, 2, 3])
+    (d,) = h.resolve([1, 2], final=True)  # the request ended: the rest stays unknown
+    assert (d.matched, d.decided) == (2, 2)
+
+
+def test_parameters_are_validated_and_canonical():
+    assert parse_params("beta=0.5, max=8")["max"] == 8
+    assert parse_params("0.2")["beta"] == 0.2
+    for bad in ("max=0", "max=1e9", "gamma=2", "beta=nan", "speed=3", "max=2.5"):
+        with pytest.raises(ValueError):
+            build_policy(f"metasd-adaptive:{bad}", ["ngram"])
+    assert canonical_policy("metasd-adaptive", ["ngram"]) == canonical_policy("metasd-adaptive:beta=0.3", ["ngram"])
+
+
+class SlowMultiToken(torch.nn.Module):
+    """The target with a delay that grows with the tokens of a forward: multi-token verification made expensive."""
+
+    def __init__(self, model, per_token):
+        super().__init__()
+        self.inner, self.per_token, self.config = model, per_token, model.config
+
+    def forward(self, input_ids, **kwargs):
+        time.sleep(self.per_token * (input_ids.shape[1] - 1) if input_ids.shape[1] <= 16 else 0.0)
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+COPY = "Repeat this list exactly, twice: apple, banana, cherry, dates, elderberry, figs, grapes, honeydew."
+
+
+def test_engine_learns_expensive_verification_online_and_stops_drafting(embedded):
+    decoder = Decoder(drafters=["ngram", "suffix"], policy="metasd-adaptive:max=3")
+    reference = decoder.generate(COPY, max_new_tokens=40, policy="none").token_ids
+    decoder._lm.model = SlowMultiToken(decoder._lm.model, per_token=0.3)
+    for _ in range(2):  # the calibration said drafting is cheap; rounds measure otherwise
+        result = decoder.generate(COPY, max_new_tokens=40)
+        assert result.token_ids == reference
+    drafted = [r.drafted for r in result.stats.rounds]
+    assert sum(d == 0 for d in drafted) >= 0.8 * len(drafted)
+
+
+def test_engine_drafts_long_when_verification_is_free(embedded):
+    decoder = Decoder(drafters=["ngram", "suffix"], policy="metasd-adaptive:max=8")
+    decoder.cost_model().target = TargetCost([decoder.cost_model().target(1)] * 9)  # pretend T(M) = T(1)
+    reference = decoder.generate(COPY, max_new_tokens=48, policy="none")
+    result = decoder.generate(COPY, max_new_tokens=48)
+    assert result.token_ids == reference.token_ids
+    assert result.stats.mean_accepted_tokens > 2.0
+    assert max(r.drafted for r in result.stats.rounds) == 8
+
+
+def test_statistics_count_what_is_emitted(embedded):
+    decoder = Decoder(drafters=["ngram", "suffix", "lm:embedded"], policy="fixed:lm:embedded", draft_len=5)
+    result = decoder.generate("Reply with only the word: yes", max_new_tokens=64)
+    assert result.finish_reason == "stop"
+    rounds = result.stats.rounds
+    assert sum(r.emitted for r in rounds) == len(result.token_ids)
+    assert all(r.accepted <= r.emitted <= r.accepted + 1 for r in rounds)
+    last = rounds[-1]  # lm:embedded drafts the target's own tokens: the EOS cut is what limits the last round
+    assert last.accepted < last.drafted or last.emitted == last.accepted + 1
+    assert sum(s.accepted for s in result.stats.drafters().values()) <= len(result.token_ids)
+
+
+def test_greedy_block_divergence_is_one_scale_for_every_kind(embedded):
+    """The target itself as drafter scores 1 whether it sends q (lm:) or only tokens (fixed:ngram-like one-hot)."""
+    decoder = Decoder(drafters=["lm:embedded"], policy="metasd-ucb", draft_len=4)
+    rewards = [r.reward for r in decoder.generate("Name three colours.", max_new_tokens=24).stats.rounds
+               if r.drafter and r.drafted == 4]
+    assert rewards and all(r == pytest.approx(1.0) for r in rewards)
+
+
+@pytest.fixture()
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_calibration_cache_round_trip_and_corrupt_or_foreign_files(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
+    table = load_or_calibrate("tiny", tiny_model, 4)
+    assert len(table) == 4 and all(t > 0 for t in table)
+    key = calibration_key("tiny", tiny_model, 4)
+    path = cache_file(key)
+    assert json.loads(path.read_text())["table"] == table
+    assert load_or_calibrate("tiny", tiny_model, 4) == table  # read back, not measured again
+    for content in ("{not json", json.dumps({"key": {**key, "threads": 999}, "table": table}),
+                    json.dumps({"key": key, "table": [1.0, -2.0, 3.0, 4.0]})):
+        path.write_text(content)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again = load_or_calibrate("tiny", tiny_model, 4)
+        assert len(again) == 4 and all(t > 0 for t in again)
+        assert any("ignoring the calibration cache" in str(w.message) for w in caught)
+
+
+def test_target_cost_refines_online():
+    cost = TargetCost([0.01, 0.01, 0.01])
+    assert cost.plain_step_due()
+    for _ in range(5):
+        cost.observe(2, 0.05)
+    assert cost(2) == pytest.approx(0.05, rel=0.3)
+    assert cost(3) == pytest.approx(0.01)  # a dear M = 2 says nothing of the machine's speed
+    cost.observe(1, 0.02)
+    assert cost(3) == pytest.approx(0.02) and not cost.plain_step_due()  # a slower plain step does
+    with pytest.raises(ValueError):
+        TargetCost([0.01, 0.0])
