@@ -195,11 +195,28 @@ def test_greedy_decoding_with_datastores_in_the_pool_is_lossless(embedded, tmp_p
     corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     build_index([str(corpus)], tmp_path / "idx", tokenizer, progress=False)
     decoder = Decoder(drafters=["ngram", f"datastore:{tmp_path / 'idx'}"], policy="round-robin", draft_len=4)
-    for prompt in ("Name three primary colors.", "Write a Python function that adds two numbers."):
-        ids = decoder.encode(prompt)
-        reference = embedded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
-                                            do_sample=False, max_new_tokens=24)[0, len(ids):].tolist()
-        result = decoder.generate(ids, max_new_tokens=24)
-        assert result.token_ids == reference
+    ids = decoder.encode("Name three primary colors.")
+    reference = embedded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                        do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
+    result = decoder.generate(ids, max_new_tokens=16)
+    assert result.token_ids == reference
     drafted = result.stats.to_dict()["drafters"][f"datastore:{tmp_path / 'idx'}"]
     assert drafted["pulls"] > 0
+
+
+def test_index_command_builds_with_the_targets_tokenizer(embedded, tmp_path, capsys):
+    from metasd.cli import main
+    from metasd.drafters import build_drafter
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mod.py").write_text("def greet(name):\n    return f'Hello, {name}!'\n")
+    (src / "notes.bin").write_bytes(b"\x00\x01")
+    assert main(["index", str(src), "--out", str(tmp_path / "idx"), "--quiet"]) == 0
+    assert "tokens from 1 documents" in capsys.readouterr().out
+    drafter = build_drafter(f"datastore:{tmp_path / 'idx'}", embedded)  # same tokenizer: accepted
+    ids = embedded.tokenizer("def greet(name):\n    return", add_special_tokens=False)["input_ids"]
+    expected = embedded.tokenizer(" f'Hello", add_special_tokens=False)["input_ids"]
+    assert drafter.propose(ids, len(expected), GREEDY, None).tokens == expected
+    assert main(["index", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    assert "corpus not found" in capsys.readouterr().err

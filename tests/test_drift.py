@@ -16,6 +16,7 @@ from metasd.bench.drift import (
     summarize_drift,
     write_prompts,
 )
+from metasd.bench.plots import drafter_picks, drift_boundaries, mark_boundary
 from metasd.bench.questions import Question, load_questions
 from metasd.bench.report import _drift
 from metasd.bench.runners import QuestionRecord, TurnRecord
@@ -97,7 +98,7 @@ def _rounds(plan: list[tuple[str, int]]) -> list[Round]:
     return [Round(d, 5, n - 1, 0.5, 0, 0.0, 0.0, 0.0, n) for d, n in plan]
 
 
-def test_summarize_drift_and_report_on_synthetic_records() -> None:
+def test_summarize_drift_report_and_plot_on_synthetic_records(tmp_path: Path) -> None:
     q = Question(1_000_000, "drift-copy-math", ("prompt",))
     from metasd.bench.drift import DriftRequest
 
@@ -124,11 +125,25 @@ def test_summarize_drift_and_report_on_synthetic_records() -> None:
     assert row["vs_oracle_round"]["ducb"] == pytest.approx(0.8 / 0.9, abs=1e-3)
     assert row["picks"]["ducb"] == {"1": {"ngram": 2}, "2": {"suffix": 1}}
     assert d["overall"]["ducb"]["vs_static_router"] == pytest.approx(1.0 / 0.9, abs=1e-3)
-    summary = {"drift": d, "config": {"drafters": ["ngram", "suffix"]}}
+    summary = {"drift": d, "config": {"drafters": ["ngram", "suffix"]},
+               "questions": [{"question_id": q.question_id, "group": q.group}], "methods": dict.fromkeys(methods)}
     report = "\n".join(_drift(summary))
     assert "## Drift within a request" in report and "Speed relative to the static router" in report
     assert "| `ducb` | 1.11 | 1.11 |" in report  # one request, so overall equals it
     assert "| `ducb` | 100% | 0% | 0% | 100% |" in report  # picks before / after the boundary
+    # the drafter-picks plot marks the boundary on each picker's row, at the round holding token 4
+    marks = []
+
+    class Axes:
+        def plot(self, xs, ys, **kwargs):
+            marks.append((xs[0], round(sum(ys) / 2)))
+
+    mark_boundary(Axes(), [results[m][q.question_id].turns[0].rounds for m in ("ducb", "oracle-round")], 4)
+    assert marks == [(2, 0), (1, 1)]
+    assert drift_boundaries(summary) == {q.question_id: 4}
+    path = tmp_path / "picks.png"
+    assert drafter_picks(results, summary, ["ngram", "suffix"], path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(

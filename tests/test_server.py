@@ -556,3 +556,20 @@ def test_history_scope_options_are_checked(embedded):
         create_app(Decoder(drafters=POOL, policy_scope="server"), api_key="k", history_scope="off")
     with pytest.raises(ValueError, match="empty"):
         create_app(decoder, api_key="a,,b")
+
+
+def test_incremental_text_equals_a_whole_decode(embedded):
+    """The server decodes a few tokens a round; the text must equal decoding the whole output, multi-byte
+    characters and words split over tokens included, and never show half a character."""
+    from metasd.detokenize import IncrementalText
+
+    tok = embedded.tokenizer
+    texts = ["Hello, world! Ça va? 日本語のテキスト 🙂🙂 end", "  leading spaces\nand\ttabs  ", "naïve café — “quotes”"]
+    for text in texts:
+        ids = tok(text)["input_ids"]
+        detok = IncrementalText(lambda t: tok.decode(t, skip_special_tokens=True))
+        for n in range(1, len(ids) + 1):
+            partial = detok.update(ids[:n])
+            assert "\ufffd" not in partial
+            assert tok.decode(ids[:n], skip_special_tokens=True).startswith(partial)
+        assert detok.finish(ids) == tok.decode(ids, skip_special_tokens=True)

@@ -264,7 +264,7 @@ def _lr(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers: int = 4, steps: int = 300,
-            batch_tokens: int = 2048, lr: float = 3e-4, max_new_tokens: int = 128, max_prompt_tokens: int = 512,
+            batch_tokens: int = 2048, lr: float = 1e-3, max_new_tokens: int = 128, max_prompt_tokens: int = 512,
             max_len: int = 512, gen_batch: int = 8, holdout: float = 0.1, draft_len: int = 5, save_every: int = 25,
             seed: int = 0, restart: bool = False, progress: bool = True, eval_on: tuple[str, ...] = (),
             eval_answers: int = 100) -> dict:
@@ -380,7 +380,7 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--layers", type=int, default=4, help="decoder layers taken from the target (default: %(default)s)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per step (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, cosine to 10%% (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine to 10%% (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="target answer length (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end")
     p.add_argument("--gen-batch", type=int, default=8, help="prompts the target answers at once (default: 8)")

@@ -283,10 +283,13 @@ def add_index_parser(sub) -> None:
 
 def _index(args) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    include, exclude = tuple(args.include or DEFAULT_INCLUDE), tuple(args.exclude or DEFAULT_EXCLUDE)
+    if args.depth < 1:
+        raise ValueError(f"--depth must be >= 1, got {args.depth}")
+    _files(args.corpora, include, exclude)  # a missing corpus fails before the tokenizer loads
     tokenizer = load_tokenizer(args.target)
     header = build_index(args.corpora, args.out, tokenizer, target=args.target or "embedded", depth=args.depth,
-                         include=tuple(args.include or DEFAULT_INCLUDE), exclude=tuple(args.exclude or DEFAULT_EXCLUDE),
-                         max_tokens=args.max_tokens, progress=not args.quiet)
+                         include=include, exclude=exclude, max_tokens=args.max_tokens, progress=not args.quiet)
     size = sum(f.stat().st_size for f in Path(args.out).iterdir())
     print(f"{args.out}: {header['n_tokens']:,} tokens from {header['n_documents']:,} documents, "
           f"{size / 2**20:.1f} MiB, built in {header['build_seconds']['total']:.1f}s")

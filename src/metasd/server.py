@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 
+from .detokenize import IncrementalText
 from .drafters.suffix import SHARED as SHARED_HISTORY
 from .engine import Decoder, Generation
 from .stats import GenerationStats
@@ -187,8 +188,9 @@ class _Metrics:
         self.latency.observe(latency)
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    return min((i for s in stops if (i := text.find(s)) >= 0), default=None)
+def _find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
+    """Where the first stop string begins, searching from start (the text before it was searched already)."""
+    return min((i for s in stops if (i := text.find(s, start)) >= 0), default=None)
 
 
 def _sendable(text: str, stops: list[str]) -> int:
@@ -311,12 +313,15 @@ class _Engine:
         if job.stream:
             job.emit("start")
         text, sent, finish = "", 0, None
+        detok = IncrementalText(self.decoder.decode)
+        longest_stop = max(map(len, job.stops), default=0)
         for _ in gen:
             if job.cancel.is_set() or self._stopping.is_set():
                 finish = "abort"
                 break
-            text = self.decoder.decode(gen.token_ids)
-            if (cut := _find_stop(text, job.stops)) is not None:
+            searched = max(len(text) - longest_stop + 1, 0)  # a stop string cannot lie wholly before this
+            text = detok.update(gen.token_ids)
+            if (cut := _find_stop(text, job.stops, searched)) is not None:
                 text, finish = text[:cut], "stop"
             end = len(text) if finish else _sendable(text, job.stops)
             if job.stream and end > sent:
@@ -325,6 +330,11 @@ class _Engine:
             if finish:
                 break
         gen.close()  # the drafters see the request's end before the next request begins
+        if finish is None:  # the output ended: whatever was held back as incomplete is final now
+            searched = max(len(text) - longest_stop + 1, 0)
+            text = detok.finish(gen.token_ids)
+            if (cut := _find_stop(text, job.stops, searched)) is not None:
+                text, finish = text[:cut], "stop"
         finish = finish or gen.finish_reason
         if job.stream and finish != "abort" and len(text) > sent:
             job.emit("delta", text[sent:])  # what was held back (a final U+FFFD, say)

@@ -421,7 +421,7 @@ def _merge(cfg, questions, finished, info, cluster, loadavg_start, started, meas
         "python": info["python"],
         "load_s": info.get("load_s", 0.0),
         "warmup_s": info.get("warmup_s", 0.0),
-        "measure_s": round(measured - started, 1),
+        "measure_s": round(max(0.0, measured - started - info.get("load_s", 0.0) - info.get("warmup_s", 0.0)), 1),
         "loadavg_start": loadavg_start,
         "hf_pld": {"prompt_lookup_num_tokens": cfg.draft_len, "max_matching_ngram_size": 3},
         "hf_assisted": ({"assistant": lm_drafters(names)[0], "num_assistant_tokens": cfg.draft_len,

@@ -128,6 +128,7 @@ def render(summary: dict, plots: list[str]) -> str:
                 "and BE (block efficiency, accepted / k) of the same rounds. Zero: reward ≤ 1e-6.", ""]
         out += _table(["drafter", "rounds", "BD mean", "BD var", "BD zero", "BE mean", "BE var", "BE zero"], rows)
 
+    out += _costs_and_lengths(summary)
     if summary.get("drift"):
         out += _drift(summary)
     if plots:
@@ -174,4 +175,32 @@ def _drift(summary: dict) -> list[str]:
         out += ["Share of drafting rounds per drafter before (1) and after (2) the boundary, requests with one:", ""]
         out += _table(["method", *(f"1: {label(dr)}" for dr in drafters), *(f"2: {label(dr)}" for dr in drafters)],
                       table)
+    return out
+
+
+def _costs_and_lengths(summary: dict) -> list[str]:
+    """The T(M) table the run decided with, and the draft lengths each policy chose per drafter."""
+    out: list[str] = []
+    cost = summary["config"].get("target_cost_ms")
+    if cost:
+        cal, end = cost["calibrated"], cost["end_of_run"]
+        out += ["## Target cost T(M)", "",
+                "A cached target forward over M new tokens: calibrated at load (`metasd calibrate`), and as refined "
+                "online from the run's rounds (these include the acceptance rule).", ""]
+        out += _table(["M", *map(str, range(1, len(cal) + 1))],
+                      [["calibrated ms", *(_fmt(t, 1) for t in cal)], ["T(M)/T(1)", *(_fmt(t / cal[0]) for t in cal)],
+                       ["end of run ms", *(_fmt(t, 1) for t in end)], ["T(M)/T(1)", *(_fmt(t / end[0]) for t in end)]])
+    lengths = summary.get("draft_lengths") or {}
+    rows = []
+    for method, per_drafter in lengths.items():
+        for drafter, hist in per_drafter.items():
+            total = sum(hist.values())
+            mean = sum(k * n for k, n in hist.items()) / total if total else 0.0
+            rows.append([f"`{label(method)}`", "plain step" if drafter == "-" else f"`{label(drafter)}`", str(total),
+                         _fmt(mean), ", ".join(f"{k}: {n}" for k, n in hist.items())])
+    if rows:
+        out += ["## Draft lengths chosen", "",
+                "Rounds per policy and drafter, the mean number of tokens sent for verification, and the "
+                "distribution (k: rounds).", ""]
+        out += _table(["policy", "drafter", "rounds", "mean k", "k: rounds"], rows)
     return out

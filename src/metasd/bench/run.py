@@ -190,6 +190,10 @@ def run_bench(cfg: BenchConfig) -> dict:
                         if assistant is not None else None),
         **cfg.extra,
     }
+    if decoder._costs is not None:  # the T(M) the adaptive policy decided with: calibrated, and after the run
+        target_cost = decoder._costs.target
+        config["target_cost_ms"] = {"calibrated": [round(t * 1e3, 3) for t in target_cost.calibrated],
+                                    "end_of_run": [round(t * 1e3, 3) for t in target_cost.table()]}
     summary = summarize(results, questions, methods, names, tables, paths, config)
     return write_outputs(cfg, summary, results, questions, timed, names, tables, started)
 

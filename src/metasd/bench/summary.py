@@ -148,7 +148,24 @@ def summarize(results: Results, questions: list[Question], methods: list[str], d
                         "details": diffs},
     }
     summary["shares"] = _shares(summary_methods, methods)
+    summary["draft_lengths"] = _draft_lengths(results, methods)
     return summary
+
+
+def _draft_lengths(results: Results, methods: list[str]) -> dict:
+    """Per policy and drafter: how many rounds sent k = 0, 1, 2, ... drafted tokens ("-" = plain target steps)."""
+    out: dict[str, dict[str, dict[int, int]]] = {}
+    for method in methods:
+        if not is_policy(method) or method not in results:
+            continue
+        counts: dict[str, dict[int, int]] = {}
+        for record in results[method].values():
+            for turn in record.turns:
+                for r in turn.rounds or []:
+                    row = counts.setdefault(r.drafter or "-", {})
+                    row[r.drafted] = row.get(r.drafted, 0) + 1
+        out[method] = {d: dict(sorted(row.items())) for d, row in counts.items()}
+    return out
 
 
 def _regrets(results, methods, drafters, tables, paths, by_group, questions, bad_turns) -> dict:
