@@ -8,7 +8,7 @@ Either way the output has exactly the target's distribution. A drafter without q
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,8 @@ import torch
 class Verdict:
     accepted: int  # drafted tokens kept
     next_token: int  # the target's own token after them (correction or bonus)
-    target_tokens: list[int] | None = None  # greedy: the target's argmax at every drafted position and after
+    # greedy: the target's argmax at every drafted position and after (for rewards; not part of the verdict's value)
+    target_tokens: list[int] | None = field(default=None, compare=False)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verdict:
