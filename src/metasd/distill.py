@@ -141,13 +141,9 @@ def make_drafter(target_model: torch.nn.Module, layers: int) -> torch.nn.Module:
     """The target's first `layers` decoder layers, final norm, embedding and head, as a standalone causal LM."""
     from transformers import AutoModelForCausalLM
 
-    total = target_model.config.num_hidden_layers
-    if not 1 <= layers < total:
-        raise ValueError(f"--layers must be in 1..{total - 1} for this target, got {layers}")
-    config = copy.deepcopy(target_model.config)
-    config.num_hidden_layers = layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:layers]
+    from .drafters.early_exit import truncated_config
+
+    config = truncated_config(target_model.config, layers, "--layers must be")
     for attr in ("gguf_file", "_name_or_path"):
         if hasattr(config, attr):
             setattr(config, attr, "" if attr == "_name_or_path" else None)

@@ -13,14 +13,20 @@ import torch
 from .lm import ModelDrafter
 
 
-def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
-    total = model.config.num_hidden_layers
+def truncated_config(config, layers: int, what: str = "early-exit needs L"):
+    """A copy of a model config that says `layers` decoder layers (also for `metasd distill`'s drafters)."""
+    total = config.num_hidden_layers
     if not 1 <= layers < total:
-        raise ValueError(f"early-exit needs 1 <= L < {total} (the target's layer count), got {layers}")
-    config = copy.deepcopy(model.config)
+        raise ValueError(f"{what} in 1..{total - 1} (the target's layer count is {total}), got {layers}")
+    config = copy.deepcopy(config)
     config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
+    if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:layers]
+    return config
+
+
+def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    config = truncated_config(model.config, layers)
     shallow = copy.copy(model)
     shallow._modules = dict(model._modules)
     shallow.model = copy.copy(model.model)
