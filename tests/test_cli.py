@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from metasd.cli import main
 
@@ -54,6 +55,7 @@ def test_plain_output_prints_text_and_statistics(capsys, embedded):
         (["--prompt", "hi", "--target", "/no/such/model"], "not found"),
         (["--prompt", "hi", "--drafters", "lm:/no/such/model"], "not found"),
         (["--prompt-file", "/no/such/file.jsonl"], "cannot read"),
+        *([(["--prompt", "hi", "--device", "cuda"], "no CUDA device")] if not torch.cuda.is_available() else []),
         ([], "--prompt"),
     ],
 )

@@ -19,6 +19,18 @@ def test_ngram_copies_what_followed_the_most_recent_match():
     assert d.propose([4], 3, GREEDY, None).tokens == []
 
 
+def test_ngram_signal_grows_with_the_full_match_length():
+    """The lookup needs 3 tokens to find a copy; its confidence says how long the match really is."""
+    drafter = NgramDrafter(max_ngram=3)
+    copy = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    long = drafter.propose(copy + [1, 2] + copy[:9], 2, SamplingParams(), None)  # 9 tokens match: a copy
+    assert long.tokens == [19, 1] and long.confidence == [0.9, 0.9]
+    short = drafter.propose([5, 6, 7, 9, 1, 2, 6, 7], 2, SamplingParams(), None)  # only "6 7" matches
+    assert short.tokens == [9, 1] and short.confidence == [0.3, 0.3]
+    one = drafter.propose([5, 6, 7, 8, 3, 7], 2, SamplingParams(), None)
+    assert one.tokens == [8, 3] and one.confidence == [0.1, 0.1]
+
+
 def test_suffix_follows_most_frequent_continuation_and_learns_across_requests():
     d = SuffixDrafter(depth=4)
     d.begin([1, 2])

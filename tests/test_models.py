@@ -5,7 +5,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from metasd.drafters import build_drafter
-from metasd.models import load_model
+from metasd.models import load_model, resolve_device
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,37 @@ def test_embedded_default_loads_once(embedded):
     assert load_model("embedded") is embedded
     assert embedded.vocab_size == len(embedded.tokenizer) == 49152
     assert embedded.eos_token_ids
+
+
+def test_auto_device_is_the_cpu_without_cuda_and_one_model_per_device(embedded):
+    import torch
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert load_model(device="cpu") is load_model(device="auto") is embedded
+    assert embedded.device.type in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "unknown device"), ("cpu:1", "unknown device"),
+                                             ("cuda:x", "unknown device")])
+def test_unknown_devices_are_clear_errors(device, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_device(device)
+
+
+def test_a_device_this_machine_lacks_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA device"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            load_model(device="cuda")
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ValueError, match="no MPS backend"):
+            resolve_device("mps")
 
 
 def test_local_directory_loads(foreign_model_dir):

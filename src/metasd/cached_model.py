@@ -37,6 +37,10 @@ class CachedModel:
         self.tokens: list[int] = []
         self.cache = DynamicCache(config=model.config)
         self.fed_tokens = 0  # tokens run through the model since the last reset (prefill + catch-up + drafts)
+        # The forward runs where the weights are (CPU, CUDA, MPS); its [last, V] logits come back to the CPU. The
+        # acceptance rule, rewards and sampling then see only small CPU tensors and one CPU generator, so a seed
+        # draws the same numbers on every device and no caller has to track devices.
+        self.device = next(model.parameters()).device
 
     def reset(self) -> None:
         self.tokens = []
@@ -52,14 +56,15 @@ class CachedModel:
         if keep < len(self.tokens):
             self.cache.crop(keep - len(self.tokens))
         new = tokens[keep:]
-        out = self.model(input_ids=torch.tensor([new]), cache=self.cache, use_cache=True, logits_to_keep=last)
+        ids = torch.tensor([new], device=self.device)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last)
         if self.cache.get_seq_length() != len(tokens):
             # e.g. a transformers release whose forward ignores `cache=`: decoding would go on from garbage
             raise RuntimeError(f"the KV cache holds {self.cache.get_seq_length()} tokens after a forward that "
                                f"should leave {len(tokens)}; this transformers version is not supported")
         self.tokens = list(tokens)
         self.fed_tokens += len(new)
-        logits = out.logits[0].float()
+        logits = out.logits[0].float().cpu()  # the acceptance rule works on the CPU; see `device` below
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = _fit(logits, self.vocab_size)
         return logits

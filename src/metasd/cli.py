@@ -28,6 +28,12 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
                              "up to its max parameter (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype; compare methods only at the same dtype (default: %(default)s)")
+    add_device_args(parser)
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                        help="where the models run; auto: CUDA when available, else the CPU (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice); 1 is far faster on a busy machine")
 
@@ -51,7 +57,7 @@ def build_decoder(args: argparse.Namespace, **extra):
     from .engine import Decoder
 
     return Decoder(target=args.target, drafters=args.drafters, policy=args.policy, draft_len=args.draft_len,
-                   dtype=args.dtype, seed=getattr(args, "seed", None), **extra)
+                   dtype=args.dtype, device=args.device, seed=getattr(args, "seed", None), **extra)
 
 
 def _prompts(args: argparse.Namespace) -> Iterator[str]:
@@ -118,7 +124,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     from .costs import cache_file, calibration_key, load_or_calibrate
     from .models import load_model
 
-    target = load_model(args.target, args.dtype)
+    target = load_model(args.target, args.dtype, args.device)
     table = load_or_calibrate(target.spec, target.model, args.max_tokens, refresh=args.refresh)
     key = calibration_key(target.spec, target.model, args.max_tokens)
     print(f"T(M) for {key['model']} ({key['dtype']}, {key['threads']} threads, {key['device']}); "
@@ -190,7 +196,7 @@ def _serve_replicas(args: argparse.Namespace) -> None:
     except ImportError as err:
         raise ValueError(f"--replicas needs Ray Serve: pip install 'metasd[ray]' ({err})") from None
     decoder = {"target": args.target, "drafters": args.drafters, "policy": args.policy, "draft_len": args.draft_len,
-               "dtype": args.dtype, "policy_scope": args.policy_scope}
+               "dtype": args.dtype, "device": args.device, "policy_scope": args.policy_scope}
     app = {"api_key": args.api_key, "max_queue": args.max_queue, "max_body_bytes": args.max_body_bytes,
            "history_scope": args.history_scope}
     serve_replicas(decoder, app, args.replicas, host=args.host, port=args.port, address=args.ray,
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--refresh", action="store_true", help="measure again even if the cache has this machine's table")
     cal.add_argument("--target", default=None, help="hub id, directory or .gguf file (default: embedded SmolLM2)")
     cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    cal.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    add_device_args(cal)
     cal.set_defaults(handler=_calibrate)
     from .bench.cli import add_bench_parser
 

@@ -52,12 +52,13 @@ class Decoder:
         dtype: str = "float32",
         policy_scope: str = "request",
         seed: int | None = None,
+        device: str = "auto",
     ):
         if not isinstance(draft_len, int) or draft_len < 1:
             raise ValueError(f"draft_len must be an integer >= 1, got {draft_len!r}")
         if policy_scope not in ("request", "server"):
             raise ValueError(f"policy_scope must be 'request' or 'server', got {policy_scope!r}")
-        self.target: LoadedModel = load_model(target, dtype)
+        self.target: LoadedModel = load_model(target, dtype, device)
         self.tokenizer = self.target.tokenizer
         self.drafters: dict[str, Drafter] = {}
         for item in parse_drafters(drafters) if isinstance(drafters, str) else drafters:
@@ -179,6 +180,7 @@ class Generation:
         self.finish_reason = "length"
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.max_draft = (policy.max_draft if policy is not None else None) or decoder.draft_len
+        self._drafted: set[str] = set()  # drafters that drafted in this request (their caches hold the prompt)
         self._iter = self._rounds()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -230,7 +232,9 @@ class Generation:
         t1 = time.perf_counter()
         draft = self._draft(arm, k, context, proposals, generator)
         t2 = time.perf_counter()
+        fed = dec._lm.fed_tokens
         logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
+        in_sync = dec._lm.fed_tokens - fed == len(draft.tokens) + 1  # not the prompt's prefill: that is no T(M)
         p = None if params.greedy else probabilities(logits, params)
         verdict = verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens,
                                                                                           generator)
@@ -247,12 +251,15 @@ class Generation:
                 proposal_times.get(arm, 0.0) + t2 - t1, t3 - t2, costs.target(1) if costs else 0.0))
         drafter = self.pool[arm] if arm is not None else None
         catch_up = lags[arm] if arm is not None else 0
+        first_use = drafter is not None and drafter.name not in self._drafted  # its draft included the prompt
         if drafter:
             synced[drafter.name] = len(context)
+            self._drafted.add(drafter.name)
         t4 = time.perf_counter()
-        if costs is not None:  # the machine's costs, whatever the policy: every round is a measurement
-            costs.target.observe(len(draft.tokens) + 1, t3 - t2)
-            if drafter and arm not in proposals:
+        if costs is not None:  # the machine's costs, whatever the policy: every round is a measurement (but prefills)
+            if in_sync:
+                costs.target.observe(len(draft.tokens) + 1, t3 - t2)
+            if drafter and arm not in proposals and not first_use:
                 costs.drafter(drafter.name).observe(len(draft.tokens), catch_up, t2 - t1)
             costs.overhead.add(max(t4 - t0 - (t3 - t1), 0.0))
         draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)

@@ -12,6 +12,25 @@ from .embedded import embedded_path
 
 EMBEDDED = "embedded"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto` is CUDA when available, else the CPU (MPS only when asked for: its kernels lack some ops and
+    round differently). Asking for a device this machine lacks is a ValueError, not a late CUDA error."""
+    kind, _, index = str(device).partition(":")
+    if kind not in DEVICES or (index and (kind in ("auto", "cpu") or not index.isdigit())):
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
+    if kind == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA device")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' asked for, but this torch build or machine has no MPS backend")
+    return torch.device(device)
 
 
 @dataclass(frozen=True)
@@ -21,6 +40,10 @@ class LoadedModel:
     spec: str
     model: torch.nn.Module
     tokenizer: object
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @property
     def vocab_size(self) -> int:
@@ -60,16 +83,17 @@ def _locate(spec: str) -> tuple[str, dict]:
     return spec, {}  # a hub id; from_pretrained reads the local cache when HF_HUB_OFFLINE=1
 
 
-_cache: dict[tuple[str, str], LoadedModel] = {}
+_cache: dict[tuple[str, str, str], LoadedModel] = {}
 _lock = threading.Lock()
 
 
-def load_model(spec: str | None = None, dtype: str = "float32") -> LoadedModel:
+def load_model(spec: str | None = None, dtype: str = "float32", device: str = "auto") -> LoadedModel:
     """Load once per process: a drafter `lm:` spec equal to the target's reuses the same weights."""
     spec = spec or EMBEDDED
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    key = (spec, dtype)
+    where = resolve_device(device)
+    key = (spec, dtype, str(where))
     with _lock:
         if key in _cache:
             return _cache[key]
@@ -89,7 +113,7 @@ def load_model(spec: str | None = None, dtype: str = "float32") -> LoadedModel:
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(f"cannot load model {spec!r}: {err}") from err
         check_full_attention(model.config, spec)
-        model.eval()
+        model.to(where).eval()
         loaded = LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
         _cache[key] = loaded
         return loaded

@@ -161,6 +161,10 @@ class MetasdReplica:
             raise RuntimeError("the engine thread stopped")
 
 
+def _gpus(decoder_options: dict) -> int:
+    return 1 if str(decoder_options.get("device", "auto")).startswith("cuda") else 0
+
+
 def build(decoder_options: dict, app_options: dict, replicas: int, replica_cpus: float | None = None,
           threads: int | None = None, sync_s: float = 5.0):
     """The Serve application (and its hub) for `serve.run`; call after ray.init."""
@@ -169,7 +173,8 @@ def build(decoder_options: dict, app_options: dict, replicas: int, replica_cpus:
         hub = ray.remote(num_cpus=0)(PolicyHub).options(name=HUB_NAME, get_if_exists=True).remote()
     cpus = replica_cpus if replica_cpus is not None else 1
     deployment = MetasdReplica.options(
-        num_replicas=replicas, ray_actor_options={"num_cpus": cpus},
+        # Ray hides GPUs from actors that reserve none: `--device cuda` reserves one per replica
+        num_replicas=replicas, ray_actor_options={"num_cpus": cpus, "num_gpus": _gpus(decoder_options)},
         # the app queues and answers 429 itself (--max-queue): let Serve hand it that many
         max_ongoing_requests=app_options.get("max_queue", 64) + 1)
     return deployment.bind(decoder_options, app_options, threads or (int(cpus) if cpus >= 1 else None), hub, sync_s)

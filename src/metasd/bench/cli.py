@@ -40,6 +40,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help="model dtype (default: float32; qwen-coder preset: bfloat16)")
     p.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the randomised policies (default: %(default)s)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where the models run; auto: CUDA when available, else the CPU (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--policy-scope", choices=["request", "server"], default="request",
                    help="request: every policy starts afresh each turn; server: it keeps learning across questions "
@@ -125,7 +127,7 @@ def bench_command(args: argparse.Namespace) -> None:
     settings.update({key: value for key, value in explicit.items() if value is not None})
     methods = args.methods if args.methods is not None or not settings.get("drift") else drift_methods()
     cfg = BenchConfig(questions=args.questions, out=args.out, methods=methods, draft_len=args.draft_len,
-                      seed=args.seed, threads=args.threads, policy_scope=args.policy_scope,
+                      seed=args.seed, device=args.device, threads=args.threads, policy_scope=args.policy_scope,
                       warmup=not args.no_warmup,
                       progress=not args.no_progress, plots=not args.no_plots,
                       command=command_line(args), extra=extra, **settings)

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .history import DrafterHistory
-from .methods import DERIVED, lm_drafters, resolve_methods, uses_drafters
-from .oracles import acceptance_table, best_choices, oracle_path
+from .methods import DERIVED, lm_drafters, longest_draft, resolve_methods, uses_drafters
+from .oracles import turn_oracle
 from .questions import Question
 from .run import WARMUP_PROMPT, BenchConfig, _loadavg, _select, write_outputs
 from .runners import engine_turn, hf_turn, oracle_turn, run_question
@@ -101,14 +101,16 @@ class QuestionBench:
         started = time.perf_counter()
         specs = parse_drafters(cfg.drafters)
         self.decoder = decoder = Decoder(target=cfg.target, drafters=specs, policy="none", draft_len=cfg.draft_len,
-                                         dtype=cfg.dtype, seed=cfg.seed, policy_scope=cfg.policy_scope)
+                                         dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
+                                         policy_scope=cfg.policy_scope)
         self.names = names = decoder.drafter_names
         self.methods = resolve_methods(cfg.methods, names, aliases=dict(zip(specs, names, strict=True)))
         self.pool = [decoder.drafters[n] for n in names]
         self.assistant = None
         if "hf-assisted" in self.methods:
             self.assistant = decoder.drafters[lm_drafters(names)[0]].lm.model
-        self.choices: dict[int, list[list[int]]] = {}
+        self.choices: dict[int, list] = {}
+        self.oracle_k = longest_draft(self.methods, cfg.draft_len)
         self.history = DrafterHistory(decoder.drafters)
         self.timed = [m for m in self.methods if m not in DERIVED]
         self.others = [m for m in self.timed if m != "ar"]
@@ -128,7 +130,7 @@ class QuestionBench:
         if method in ("hf-ar", "hf-pld", "hf-assisted"):
             return hf_turn(decoder, method[3:], max_new, k, assistant=self.assistant)
         if method == "oracle-round":
-            return oracle_turn(decoder, self.choices[qid], max_new, seed)
+            return oracle_turn(decoder, self.choices[qid], self.oracle_k, max_new, seed)
         return engine_turn(decoder, method, max_new, seed)
 
     def describe(self) -> dict:
@@ -151,10 +153,11 @@ class QuestionBench:
         tables = paths = None
         if self.need_tables:
             self.history.restore()
-            tables = [acceptance_table(self.pool, t.prompt_ids, t.token_ids, cfg.draft_len, cfg.max_new_tokens)
-                      for t in reference.turns]
-            paths = [oracle_path(t) for t in tables]
-            self.choices[q.question_id] = [best_choices(t) for t in tables]
+            costs = decoder.cost_model(self.oracle_k + 1)
+            hindsight = [turn_oracle(self.pool, t.prompt_ids, t.token_ids, self.oracle_k, cfg.max_new_tokens, costs)
+                         for t in reference.turns]
+            tables, paths = [h.table for h in hindsight], [h.path for h in hindsight]
+            self.choices[q.question_id] = [h.plan for h in hindsight]
         shift = index % len(self.others) if self.others else 0
         for method in self.others[shift:] + self.others[:shift]:
             self.history.restore()
@@ -174,7 +177,7 @@ def _fingerprint(cfg: BenchConfig, questions: list[Question]) -> dict:
     ids = [q.question_id for q in questions]
     return {"questions_file": str(cfg.questions), "target": cfg.target, "drafters": cfg.drafters,
             "methods": cfg.methods, "max_new_tokens": cfg.max_new_tokens, "draft_len": cfg.draft_len,
-            "dtype": cfg.dtype, "seed": cfg.seed, "policy_scope": cfg.policy_scope,
+            "dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed, "policy_scope": cfg.policy_scope,
             "drift": getattr(cfg, "drift", False),
             "questions": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}
 
@@ -320,7 +323,8 @@ def _run_ray(cfg, opts, finished, todo, store):
         kill = os.environ.get(KILL_ENV)
         worker_cfg = BenchConfig(**{**cfg.__dict__, "threads": cfg.threads or worker_cpus, "progress": False,
                                     "plots": False})
-        Actor = ray.remote(num_cpus=worker_cpus, max_restarts=0, max_task_retries=0)(QuestionBench)
+        gpus = 1 if cfg.device.startswith("cuda") else 0  # Ray hides GPUs from actors that reserve none
+        Actor = ray.remote(num_cpus=worker_cpus, num_gpus=gpus, max_restarts=0, max_task_retries=0)(QuestionBench)
         actors = {rank: Actor.options(scheduling_strategy="SPREAD").remote(
                       worker_cfg, rank, int(kill) if kill is not None and rank == 0 else None)
                   for rank in range(min(workers, len(todo)))}
@@ -406,6 +410,7 @@ def _merge(cfg, questions, finished, info, cluster, loadavg_start, started, meas
         "drafters": names,
         "draft_len": cfg.draft_len,
         "dtype": cfg.dtype,
+        "device": cfg.device,
         "max_new_tokens": cfg.max_new_tokens,
         "questions_file": str(cfg.questions),
         "categories": cfg.categories,

@@ -191,7 +191,7 @@ def add_drift(cfg, summary: dict, results: dict, out: Path) -> None:
 
     requests = drift_requests(load_questions(cfg.questions), cfg.seed, cfg.per_category, cfg.categories)
     write_prompts(out / "drift_prompts.jsonl", requests)
-    tokenizer = load_model(summary["config"]["target"], cfg.dtype).tokenizer
+    tokenizer = load_model(summary["config"]["target"], cfg.dtype, cfg.device).tokenizer
     summary["drift"] = summarize_drift(requests, results, summary["config"]["methods"],
                                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     summary["drift"]["prompts_file"] = "drift_prompts.jsonl"

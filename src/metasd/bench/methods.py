@@ -99,3 +99,12 @@ def label(method: str) -> str:
 def file_stem(method: str) -> str:
     """A file name for a method's answers: `fixed:ngram` -> `fixed-ngram`."""
     return "".join(c if c.isalnum() or c in "._-" else "-" for c in label(method))
+
+
+def longest_draft(methods: list[str], draft_len: int) -> int:
+    """The longest draft any of these methods may send: draft_len for the classic policies, `max` for
+    metasd-adaptive. The hindsight oracle may draft as long, so that no method can beat it by drafting longer."""
+    from ..adaptive import parse_params
+
+    longest = [parse_params(m.partition(":")[2])["max"] for m in methods if m.partition(":")[0] == "metasd-adaptive"]
+    return max([draft_len, *longest])

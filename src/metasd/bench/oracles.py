@@ -2,12 +2,16 @@
 
 Greedy decoding is lossless, so every method's context at output position `pos` is prompt + reference[:pos]
 (the reference being `ar`'s output). That makes "how many tokens would drafter d have had accepted here" a
-table, `accepted[pos, d]`: d drafts k tokens from the true context (drafters are walked through the positions in
-order, from `begin(prompt)`, so model drafters catch up as they would) and its accepted length is its matching
-prefix with the reference continuation.
+table, `accepted[pos, d]`: d drafts up to K tokens from the true context (drafters are walked through the positions
+in order, from `begin(prompt)`, so model drafters catch up as they would) and its accepted length is its matching
+prefix with the reference continuation. A draft of k <= K tokens is accepted for min(accepted, k) of them.
 
-- `oracle-round`: at each round, the drafter with the longest accepted prefix (ties: the cheaper drafter).
-- regret of a run: per round, best accepted length at that position minus the chosen drafter's.
+- `oracle-round`: the fastest walk through the reference that a per-round policy could take, in hindsight: at each
+  round a drafter *and* a length k (k = 0: a plain target step), chosen by dynamic programming over the positions to
+  minimise the total time under this machine's measured costs (T(k + 1) for the verification, the drafter's
+  measured time per token or per proposal, the per-round overhead). In hindsight a drafter never drafts more than it
+  gets accepted, so the plan is a schedule of fully accepted drafts; it is replayed through the engine and timed.
+- regret of a run: per round, at the round's own draft length, best accepted length minus the chosen drafter's.
 - `oracle-category`: per category, the single drafter with the best mean tokens/s in its fixed run (see metrics).
 """
 
@@ -21,6 +25,8 @@ import numpy as np
 
 from ..sampling import SamplingParams
 from ..stats import Round
+
+Step = tuple[int | None, int]  # (drafter index or None, tokens to draft)
 
 
 def draft_budget(pos: int, draft_len: int, max_new_tokens: int) -> int:
@@ -40,8 +46,9 @@ def matching_prefix(draft: Sequence[int], reference: Sequence[int]) -> int:
 @dataclass
 class AcceptanceTable:
     accepted: np.ndarray  # [len(reference), n_drafters] int: accepted tokens if drafter d drafts at position pos
-    budgets: np.ndarray  # [len(reference)] int: k at each position (0 = no drafting there)
-    draft_seconds: np.ndarray  # [n_drafters] estimated seconds per k-token proposal, for tie-breaking by cost
+    budgets: np.ndarray  # [len(reference)] int: most tokens draftable at each position (0 = no drafting there)
+    draft_seconds: np.ndarray  # [n_drafters] measured seconds per drafted token (model) or per proposal (model-free)
+    per_token: np.ndarray | None = None  # [n_drafters] bool: draft_seconds is per token (a drafter with a model)
 
     @property
     def positions(self) -> int:
@@ -50,10 +57,14 @@ class AcceptanceTable:
     def cost_order(self) -> list[int]:
         return [int(i) for i in np.argsort(self.draft_seconds, kind="stable")]
 
+    def draft_cost(self, arm: int, k: int) -> float:
+        per_token = self.per_token is not None and bool(self.per_token[arm])
+        return float(self.draft_seconds[arm]) * (k if per_token else 1)
 
-def acceptance_table(drafters: Sequence, prompt: list[int], reference: list[int], draft_len: int,
+
+def acceptance_table(drafters: Sequence, prompt: list[int], reference: list[int], max_draft: int,
                      max_new_tokens: int) -> AcceptanceTable:
-    """accepted[pos, d] for every position of the reference.
+    """accepted[pos, d] for every position of the reference, for drafts of up to `max_draft` tokens.
 
     A model drafter (`has_cache`) drafts greedily one token at a time from context + its own tokens, so while its
     tokens match the reference, drafting k tokens equals probing one token at a time along the reference; the probe
@@ -65,7 +76,8 @@ def acceptance_table(drafters: Sequence, prompt: list[int], reference: list[int]
         d.begin(list(prompt))
     n = len(reference)
     accepted = np.zeros((n, len(drafters)), dtype=np.int64)
-    budgets = np.array([draft_budget(p, draft_len, max_new_tokens) for p in range(n)], dtype=np.int64)
+    budgets = np.array([draft_budget(p, max_draft, max_new_tokens) for p in range(n)], dtype=np.int64)
+    per_token = np.array([bool(getattr(d, "has_cache", False)) for d in drafters], dtype=bool)
     seconds = np.zeros(len(drafters))
     calls = np.zeros(len(drafters))
     for pos in range(n):
@@ -76,11 +88,11 @@ def acceptance_table(drafters: Sequence, prompt: list[int], reference: list[int]
         target = list(reference[pos : pos + k])
         for i, d in enumerate(drafters):
             start = time.perf_counter()
-            if getattr(d, "has_cache", False):
+            if per_token[i]:
                 acc = 0
                 while acc < len(target):
                     token = d.propose(context + target[:acc], 1, params, None).tokens
-                    calls[i] += 1 / k  # a full proposal is k of these single-token calls
+                    calls[i] += 1
                     if token[:1] != target[acc : acc + 1]:
                         break
                     acc += 1
@@ -89,17 +101,33 @@ def acceptance_table(drafters: Sequence, prompt: list[int], reference: list[int]
                 calls[i] += 1
             seconds[i] += time.perf_counter() - start
             accepted[pos, i] = acc
-    return AcceptanceTable(accepted, budgets, seconds / np.maximum(calls, 1e-12))
+    return AcceptanceTable(accepted, budgets, seconds / np.maximum(calls, 1), per_token)
 
 
-def best_choices(table: AcceptanceTable) -> list[int]:
-    """The oracle's drafter at every position: longest accepted prefix, ties to the cheapest drafter."""
+def oracle_plan(table: AcceptanceTable, step_seconds: Sequence[float], overhead: float = 0.0) -> list[Step]:
+    """The fastest schedule in hindsight: plan[pos] = (drafter, k) for a round starting at pos.
+
+    f(pos) = min(T(1) + f(pos + 1), min over d and 1 <= k <= accepted[pos, d] of cost_d(k) + T(k + 1) + f(pos+k+1)),
+    every round also paying `overhead`. step_seconds[m - 1] = T(m); k is capped where the table has no T(k + 1).
+    Ties go to the shorter draft, then the cheaper drafter.
+    """
+    n = table.positions
+    step = list(step_seconds)
+    if not step:
+        raise ValueError("oracle_plan needs T(1) at least")
     order = table.cost_order()
-    out = []
-    for row in table.accepted:
-        best = int(row.max()) if row.size else 0
-        out.append(next(i for i in order if row[i] == best) if row.size else 0)
-    return out
+    best = np.zeros(n + 1)
+    plan: list[Step] = [(None, 0)] * n
+    for pos in range(n - 1, -1, -1):
+        best[pos] = step[0] + overhead + best[pos + 1]
+        for k in range(1, min(int(table.budgets[pos]), len(step) - 1) + 1):
+            for arm in order:
+                if table.accepted[pos, arm] < k:
+                    continue
+                t = table.draft_cost(arm, k) + step[k] + overhead + best[min(pos + k + 1, n)]
+                if t < best[pos] - 1e-12:
+                    best[pos], plan[pos] = t, (arm, k)
+    return plan
 
 
 @dataclass
@@ -117,18 +145,16 @@ class OraclePath:
         return float(np.mean([a + 1 for a in self.accepted])) if self.accepted else 0.0
 
 
-def oracle_path(table: AcceptanceTable) -> OraclePath:
-    """Walk the reference taking the best drafter every round; each round advances by accepted + 1."""
-    choices = best_choices(table)
+def oracle_path(plan: Sequence[Step]) -> OraclePath:
+    """Walk the reference along the plan; each round advances by its (fully accepted) k + 1."""
     path = OraclePath([], [], [])
     pos = 0
-    while pos < table.positions:
-        arm = choices[pos] if table.budgets[pos] > 0 else None
-        acc = int(table.accepted[pos, arm]) if arm is not None else 0
+    while pos < len(plan):
+        arm, k = plan[pos]
         path.positions.append(pos)
-        path.arms.append(arm)
-        path.accepted.append(acc)
-        pos += acc + 1
+        path.arms.append(arm if k > 0 else None)
+        path.accepted.append(k)
+        pos += k + 1
     return path
 
 
@@ -147,7 +173,8 @@ class Regret:
 
 
 def regret(table: AcceptanceTable, rounds: Sequence[Round], drafter_names: Sequence[str]) -> Regret:
-    """Regret of a run's round log against the per-round oracle (rounds without a drafter count 0)."""
+    """Regret of a run's drafter choices: per round, at that round's draft length, the best accepted length minus
+    the chosen drafter's (rounds without a drafter count 0)."""
     index = {name: i for i, name in enumerate(drafter_names)}
     pos = 0
     per_round: list[int] = []
@@ -158,9 +185,28 @@ def regret(table: AcceptanceTable, rounds: Sequence[Round], drafter_names: Seque
         if r.drafter is None or r.drafter not in index:
             per_round.append(0)
         else:
-            row = table.accepted[pos]
+            row = np.minimum(table.accepted[pos], r.drafted)
             chosen = int(row[index[r.drafter]])
             per_round.append(int(row.max()) - chosen)
             disagreements += chosen != r.accepted
         pos += r.emitted
     return Regret(per_round, disagreements)
+
+
+@dataclass
+class TurnOracle:
+    """Everything the bench keeps of one turn's hindsight: the table, the plan replayed as `oracle-round`, its walk."""
+
+    table: AcceptanceTable
+    plan: list[Step]
+    path: OraclePath
+
+
+def turn_oracle(drafters: Sequence, prompt: list[int], reference: list[int], max_draft: int, max_new_tokens: int,
+                costs) -> TurnOracle:
+    """The table (drafts up to max_draft), and the plan under `costs` (the decoder's CostModel: T(M) as calibrated
+    and refined so far, and the per-round overhead)."""
+    table = acceptance_table(drafters, prompt, reference, max_draft, max_new_tokens)
+    steps = [costs.target(m) for m in range(1, max_draft + 2)]
+    plan = oracle_plan(table, steps, costs.overhead.value or 0.0)
+    return TurnOracle(table, plan, oracle_path(plan))

@@ -37,7 +37,7 @@ def render(summary: dict, plots: list[str]) -> str:
     out = ["# metasd bench", ""]
     pool = ", ".join(f"`{label(d)}`" for d in c["drafters"])
     out += [f"- command: `{c['command']}`" if c.get("command") else "",
-            f"- target `{c['target']}`, dtype {c['dtype']}, drafters {pool}, "
+            f"- target `{c['target']}`, dtype {c['dtype']}, device {c.get('device', 'cpu')}, drafters {pool}, "
             f"draft length k = {c['draft_len']}, max new tokens {c['max_new_tokens']}, greedy",
             f"- {len(summary['questions'])} questions ({c['turns']} turns) from `{c['questions_file']}`: "
             + ", ".join(f"{g} {sum(q['group'] == g for q in summary['questions'])}" for g in summary["groups"]),
@@ -67,10 +67,12 @@ def render(summary: dict, plots: list[str]) -> str:
                 + ", ".join(f"{g} → `{label(m)}`" for g, m in choice.items()) + ".", ""]
     hind = summary["oracle_round"]["hindsight"].get("overall")
     if hind and "oracle-round" in methods:
-        out += ["`oracle-round` picks, every round, the drafter with the longest accepted prefix at the true context "
-                f"(hindsight walk: {hind['rounds']} rounds, mean accepted tokens {hind['mean_accepted_tokens']:.2f}); "
-                "its row above is the replay of those choices through the engine, timed. It maximises accepted "
-                "tokens, not speed: a slow drafter that wins by one token can make it slower than `oracle-category`.",
+        out += ["`oracle-round` is the fastest per-round schedule in hindsight: every round a drafter and a draft "
+                "length (0: a plain step), chosen by dynamic programming over the true context to minimise the time "
+                "under this machine's measured T(M), drafter and per-round costs; each draft is one that is fully "
+                f"accepted (hindsight walk: {hind['rounds']} rounds, mean accepted tokens "
+                f"{hind['mean_accepted_tokens']:.2f}). Its row above is the replay of that plan through the engine, "
+                "timed. It may draft as long as the longest draft of any method in this run.",
                 ""]
     shares = summary["shares"]
     if shares:

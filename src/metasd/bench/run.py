@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .history import DrafterHistory
-from .methods import DERIVED, file_stem, lm_drafters, resolve_methods, uses_drafters
-from .oracles import acceptance_table, best_choices, oracle_path
+from .methods import DERIVED, file_stem, lm_drafters, longest_draft, resolve_methods, uses_drafters
+from .oracles import turn_oracle
 from .questions import Question, load_questions, select_questions
 from .runners import QuestionRecord, engine_turn, hf_turn, oracle_turn, run_question
 
@@ -37,6 +37,7 @@ class BenchConfig:
     draft_len: int = 5
     dtype: str = "float32"
     seed: int = 0
+    device: str = "auto"  # models.resolve_device: auto = CUDA when available
     threads: int | None = None  # torch threads; None = torch's default
     policy_scope: str = "request"  # "server": each policy keeps learning across questions (engine option)
     warmup: bool = True
@@ -92,7 +93,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     loadavg_start = _loadavg()
     started = time.perf_counter()
     decoder = Decoder(target=cfg.target, drafters=specs, policy="none", draft_len=cfg.draft_len, dtype=cfg.dtype,
-                      seed=cfg.seed, policy_scope=cfg.policy_scope)
+                      device=cfg.device, seed=cfg.seed, policy_scope=cfg.policy_scope)
     names = decoder.drafter_names
     methods = resolve_methods(cfg.methods, names, aliases=dict(zip(specs, names, strict=True)))
     pool = [decoder.drafters[n] for n in names]
@@ -102,7 +103,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         assistant = decoder.drafters[assistant_name].lm.model
 
     k, max_new, seed = cfg.draft_len, cfg.max_new_tokens, cfg.seed
-    choices: dict[int, list[list[int]]] = {}
+    oracle_k = longest_draft(methods, k)  # the oracle may draft as long as any method here can
+    choices: dict[int, list] = {}
 
     def runner(method: str, qid: int | None = None):
         if method == "ar":
@@ -114,7 +116,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         if method == "hf-assisted":
             return hf_turn(decoder, "assisted", max_new, k, assistant=assistant)
         if method == "oracle-round":
-            return oracle_turn(decoder, choices[qid], max_new, seed)
+            return oracle_turn(decoder, choices[qid], oracle_k, max_new, seed)
         return engine_turn(decoder, method, max_new, seed)
 
     history = DrafterHistory(decoder.drafters)
@@ -144,10 +146,12 @@ def run_bench(cfg: BenchConfig) -> dict:
             if need_tables:
                 bar.set_postfix_str(f"q{q.question_id} {q.category} oracle table")
                 history.restore()
-                tables[q.question_id] = [acceptance_table(pool, t.prompt_ids, t.token_ids, k, max_new)
-                                         for t in reference.turns]
-                paths[q.question_id] = [oracle_path(t) for t in tables[q.question_id]]
-                choices[q.question_id] = [best_choices(t) for t in tables[q.question_id]]
+                costs = decoder.cost_model(oracle_k + 1)
+                hindsight = [turn_oracle(pool, t.prompt_ids, t.token_ids, oracle_k, max_new, costs)
+                             for t in reference.turns]
+                tables[q.question_id] = [h.table for h in hindsight]
+                paths[q.question_id] = [h.path for h in hindsight]
+                choices[q.question_id] = [h.plan for h in hindsight]
             shift = i % len(others) if others else 0
             for method in others[shift:] + others[:shift]:
                 bar.set_postfix_str(f"q{q.question_id} {q.category} {method}")
@@ -167,6 +171,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "drafters": names,
         "draft_len": k,
         "dtype": cfg.dtype,
+        "device": str(decoder.target.device),
         "max_new_tokens": max_new,
         "questions_file": str(cfg.questions),
         "categories": cfg.categories,

@@ -127,7 +127,7 @@ def hf_turn(decoder, mode: str, max_new_tokens: int, draft_len: int, assistant: 
         if len(ids) + max_new_tokens > decoder.target.max_length:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's context of {decoder.target.max_length} tokens")
-        input_ids = torch.tensor([ids])
+        input_ids = torch.tensor([ids], device=decoder.target.device)
         counter = _RoundCounter()
         kwargs: dict = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                             do_sample=False, pad_token_id=pad, streamer=counter)
@@ -162,35 +162,40 @@ def hf_turn(decoder, mode: str, max_new_tokens: int, draft_len: int, assistant: 
 
 
 class ScriptedPolicy(_ArmStats):
-    """Replays a hindsight choice: at each round, the drafter `script(position)` names for the current position.
+    """Replays a hindsight plan: at each round, the (drafter, k) `script(position)` names for the current position.
 
     It plugs into a Generation like any bandit; `bind` gives it the Generation so it can read how many tokens are
     out. The choice costs a list lookup, so the replay times the drafting and verification the oracle's choices
     cause, not the hindsight search.
     """
 
-    def __init__(self, n_arms: int, script: Callable[[int], int]):
+    def __init__(self, n_arms: int, script: Callable[[int], tuple[int | None, int]], max_draft: int):
         self.script = script
         self.generation = None
+        self.max_draft = max_draft
         super().__init__(n_arms)
 
     def bind(self, generation) -> None:
-        if not hasattr(generation, "policy") or not hasattr(generation, "token_ids"):
-            raise RuntimeError("the engine's Generation no longer exposes policy/token_ids: update ScriptedPolicy")
+        if not all(hasattr(generation, a) for a in ("policy", "token_ids", "max_draft")):
+            raise RuntimeError("the engine's Generation no longer exposes policy/token_ids/max_draft: "
+                               "update ScriptedPolicy")
         generation.policy = self
+        generation.max_draft = self.max_draft  # the plan drafts up to the oracle's longest draft, not --draft-len
         self.generation = generation
 
-    def select(self) -> int:
-        return self.script(len(self.generation.token_ids))
+    def choose(self, k: int, proposals, lags) -> tuple[int | None, int]:
+        arm, planned = self.script(len(self.generation.token_ids))
+        return (arm, min(planned, k)) if arm is not None and planned > 0 else (None, 0)
 
 
-def oracle_turn(decoder, choices: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None) -> TurnRunner:
-    """Replay `choices[turn][position]` (the best drafter at each position of the reference) through the engine."""
+def oracle_turn(decoder, plans: Sequence[Sequence[tuple[int | None, int]]], max_draft: int, max_new_tokens: int,
+                seed: int | None) -> TurnRunner:
+    """Replay `plans[turn][position]` (the hindsight plan's (drafter, k) at each position) through the engine."""
     names = decoder.drafter_names
 
     def run(ids: list[int], turn: int) -> TurnRecord:
-        table = choices[turn]
-        policy = ScriptedPolicy(len(names), lambda pos: table[pos] if pos < len(table) else 0)
+        plan = plans[turn]
+        policy = ScriptedPolicy(len(names), lambda pos: plan[pos] if pos < len(plan) else (None, 0), max_draft)
         # any drafter policy validates the request; the scripted one replaces it before the first round
         return engine_turn(decoder, f"fixed:{names[0]}", max_new_tokens, seed, bind=policy.bind)(ids, turn)
 

@@ -35,7 +35,7 @@ def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Dra
     if kind == "lm":
         if not arg:
             raise ValueError("drafter 'lm:' needs a model: lm:<hub id | directory | file.gguf>")
-        drafter = load_model(arg, dtype)
+        drafter = load_model(arg, dtype, str(target.device))  # beside the target: drafts feed its forward
         if not same_tokenizer(drafter.tokenizer, target.tokenizer):
             raise ValueError(
                 f"drafter {spec!r} uses a different tokenizer than the target {target.spec!r}; "

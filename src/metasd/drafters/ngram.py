@@ -35,5 +35,26 @@ class NgramDrafter:
             if hits.size:
                 start = int(hits[-1]) + n
                 tokens = ids[start : start + k].tolist()
-                return Draft(tokens, confidence=[n / self.max_ngram] * len(tokens))  # longer match, surer copy
+                signal = match_signal(_match_length(ids, int(hits[-1]), n))
+                return Draft(tokens, confidence=[signal] * len(tokens))
         return Draft([])
+
+
+MATCH_LEVELS = ((1, 0.1), (2, 0.3), (3, 0.5), (7, 0.7))  # match length up to L -> signal; longer: 0.9
+LONGEST_MATCH = 16
+
+
+def match_signal(length: int) -> float:
+    """The confidence a copy gets from how long its match is: one signal level each for 1, 2, 3, 4-7 and 8+
+    matched tokens (`acceptance.py` bins it in fifths). A 1-token match is a guess; an 8-token match is a copy."""
+    return next((signal for most, signal in MATCH_LEVELS if length <= most), 0.9)
+
+
+def _match_length(ids: np.ndarray, hit: int, n: int) -> int:
+    """How far the match of the last n tokens at `hit` extends backwards (at most LONGEST_MATCH): the lookup only
+    needs max_ngram tokens to find a copy, but the full length says how sure the copy is."""
+    length, end = n, len(ids) - n
+    while length < LONGEST_MATCH and hit - (length - n) - 1 >= 0 and \
+            ids[hit - (length - n) - 1] == ids[end - (length - n) - 1]:
+        length += 1
+    return length

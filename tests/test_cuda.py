@@ -1,0 +1,75 @@
+"""The same guarantees on a GPU: greedy equality and the sampled distribution with the models on CUDA.
+
+CI has no GPU, so every test here is skipped there; on a machine with one, `pytest -m cuda tests/test_cuda.py` checks
+it (the default run includes them too). The reference is the target's own `generate()` on the same device: float32
+on CUDA can pick other kernels for M-token and 1-token forwards, as bfloat16 does on the CPU, so a mismatch here is
+reported with the position where it happened.
+"""
+
+import json
+
+import pytest
+import torch
+from test_engine import CATEGORIES, MAX_NEW
+from test_sampling_distribution import DRAWS, _tiny, chi2, chi2_bound, draw, exact_pairs
+
+from metasd import Decoder
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+POOL = ["ngram", "suffix", "early-exit:8", "lm:embedded"]
+
+
+@pytest.fixture(scope="module")
+def cuda_decoder(embedded):
+    return Decoder(drafters=POOL, policy="metasd-adaptive", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def cuda_cases(cuda_decoder, questions_path):
+    questions = [json.loads(line) for line in questions_path.read_text().splitlines()]
+    model = cuda_decoder.target.model
+    out = []
+    for category in CATEGORIES:
+        question = next(q for q in questions if q["category"] == category)
+        ids = cuda_decoder.encode(question["turns"][0])
+        input_ids = torch.tensor([ids], device="cuda")
+        reference = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                   max_new_tokens=MAX_NEW)
+        out.append((category, ids, reference[0, len(ids):].tolist()))
+    return out
+
+
+def test_models_live_on_the_gpu(cuda_decoder):
+    assert cuda_decoder.target.device.type == "cuda"
+    assert cuda_decoder.drafters["lm:embedded"].lm.device.type == "cuda"
+
+
+@pytest.mark.parametrize("policy", ["none", "metasd-adaptive", "metasd-ucb", *(f"fixed:{d}" for d in POOL)])
+def test_greedy_output_equals_generate_on_cuda(cuda_decoder, cuda_cases, policy):
+    for category, ids, reference in cuda_cases:
+        got = cuda_decoder.generate(ids, max_new_tokens=MAX_NEW, policy=policy, seed=0).token_ids
+        first = next((i for i, (a, b) in enumerate(zip(got, reference, strict=False)) if a != b), None)
+        assert got == reference, f"{policy} diverged from generate() on {category} at token {first}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_on_cuda(embedded, dtype):
+    decoder = Decoder(drafters=["ngram", "early-exit:8"], dtype=dtype, device="cuda")
+    assert next(decoder.target.model.parameters()).dtype == getattr(torch, dtype)
+    result = decoder.generate("Repeat after me: the quick brown fox jumps over the lazy dog.", max_new_tokens=24)
+    assert result.stats.new_tokens == len(result.token_ids) > 0
+
+
+def test_sampled_output_follows_the_targets_distribution_on_cuda(embedded, tmp_path):
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "drafter"
+    target = _tiny(target_dir, embedded.tokenizer, 0)
+    _tiny(draft_dir, embedded.tokenizer, 1, base=target, noise=0.15)
+    decoder = Decoder(target=str(target_dir), drafters=[f"lm:{draft_dir}"], policy=f"fixed:lm:{draft_dir}",
+                      draft_len=3, device="cuda")
+    expected = exact_pairs(target)  # on the CPU: the reference is the model's exact distribution
+    counts, drafted, accepted = draw(decoder)
+    assert drafted >= DRAWS and 0.2 * drafted < accepted < 0.9 * drafted
+    stat, df = chi2(counts, expected, DRAWS)
+    assert stat < chi2_bound(df), (stat, df)
