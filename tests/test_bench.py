@@ -124,6 +124,9 @@ def test_regret_of_a_round_log() -> None:
     # judged at the round's own draft length: drafting 2 at pos 4, 'c' could not have had more than 2
     short = Round("c", 2, 2, 0.0, 0, 0.0, 0.0, 0.0, 3)
     assert regret(table, [rnd("a", 2), rnd("b", 0), short], names).per_round == [0, 0, 0]
+    # a proposal that ran out (nothing drafted) is judged at the length the policy asked for
+    empty = Round("b", 0, 0, 0.0, 0, 0.0, 0.0, 0.0, 1, 5)
+    assert regret(table, [empty], names).per_round == [2]
 
 
 class Copier:
@@ -175,7 +178,8 @@ def test_acceptance_table_on_synthetic_drafters() -> None:
     # token 0 matches the reference's 0 at positions 4 and 5 only (budget 1 at pos 4, none at pos 5)
     assert table.accepted[:, 1].tolist() == [0, 0, 0, 0, 1, 0]
     assert table.accepted[:, 2].tolist() == table.accepted[:, 1].tolist()
-    assert model_like.calls == 5  # one probe per drafting position: each stops at the first token (pos 4 matches 1)
+    assert model_like.calls == 1 + 5  # a prefill, then one probe per drafting position: each stops at the first
+    # token (pos 4 matches 1)
     assert table.per_token.tolist() == [False, True, False]  # the model-like drafter's cost is per drafted token
 
 

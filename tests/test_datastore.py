@@ -196,7 +196,8 @@ def test_greedy_decoding_with_datastores_in_the_pool_is_lossless(embedded, tmp_p
     build_index([str(corpus)], tmp_path / "idx", tokenizer, progress=False)
     decoder = Decoder(drafters=["ngram", f"datastore:{tmp_path / 'idx'}"], policy="round-robin", draft_len=4)
     ids = decoder.encode("Name three primary colors.")
-    reference = embedded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+    input_ids = torch.tensor([ids], device=embedded.device)
+    reference = embedded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                         do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
     result = decoder.generate(ids, max_new_tokens=16)
     assert result.token_ids == reference

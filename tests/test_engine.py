@@ -47,7 +47,8 @@ def cases(decoder, questions_path):
     for category in CATEGORIES:
         question = next(q for q in questions if q["category"] == category)
         ids = decoder.encode(question["turns"][0])
-        reference = decoder.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+        input_ids = torch.tensor([ids], device=decoder.target.device)
+        reference = decoder.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                                   do_sample=False, max_new_tokens=MAX_NEW)
         out.append((category, ids, reference[0, len(ids):].tolist()))
     return out
@@ -129,7 +130,8 @@ def test_suffix_history_holds_whole_outputs_even_rounds_it_sat_out(embedded):
 
 def test_generation_stops_at_eos_where_generate_does(decoder):
     ids = decoder.encode("Reply with only the word: yes")
-    reference = decoder.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+    input_ids = torch.tensor([ids], device=decoder.target.device)
+    reference = decoder.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                               do_sample=False, max_new_tokens=64)[0, len(ids):].tolist()
     result = decoder.generate(ids, max_new_tokens=64, policy="metasd-ucb")
     assert result.token_ids == reference

@@ -53,7 +53,8 @@ def exact_pairs(model: LlamaForCausalLM) -> dict[tuple[int, int], float]:
     """The target's own distribution of (first, second) token under PARAMS, from plain forwards."""
     def next_row(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return probabilities(model(input_ids=torch.tensor([ids])).logits[0, -1:], PARAMS)[0]
+            ids = torch.tensor([ids], device=next(model.parameters()).device)
+            return probabilities(model(input_ids=ids).logits[0, -1:].float().cpu(), PARAMS)[0]
 
     first = next_row(PROMPT)
     out = {}

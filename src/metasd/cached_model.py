@@ -64,7 +64,7 @@ class CachedModel:
                                f"should leave {len(tokens)}; this transformers version is not supported")
         self.tokens = list(tokens)
         self.fed_tokens += len(new)
-        logits = out.logits[0].float().cpu()  # the acceptance rule works on the CPU; see `device` below
+        logits = out.logits[0].float().cpu()  # the acceptance rule works on the CPU (see __init__)
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = _fit(logits, self.vocab_size)
         return logits

@@ -272,7 +272,7 @@ def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers:
     if steps < 0 or batch_tokens < 16 or lr <= 0 or max_new_tokens < 1 or not 0 <= holdout < 1:
         raise ValueError("distill: need steps >= 0, batch tokens >= 16, lr > 0, max new tokens >= 1, 0 <= holdout < 1")
     prompts = read_prompts(prompts_path)
-    target = load_model(target_spec)
+    target = load_model(target_spec, device="cpu")  # the training loop below is written for the CPU
     started = time.perf_counter()
     ckpt_path = out / "checkpoint.pt"
     if restart and ckpt_path.exists():

@@ -265,7 +265,7 @@ class Generation:
         draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)
         self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens),
                                        min(verdict.accepted, len(new)), score, catch_up, draft_time, t3 - t2,
-                                       (t4 - t0) - draft_time - (t3 - t2), len(new)))
+                                       (t4 - t0) - draft_time - (t3 - t2), len(new), k))
         return new
 
     def _proposals(self, context: list[int], k: int) -> tuple[dict[int, Draft], dict[int, float]]:

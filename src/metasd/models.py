@@ -30,7 +30,10 @@ def resolve_device(device: str = "auto") -> torch.device:
             raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
     if kind == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device 'mps' asked for, but this torch build or machine has no MPS backend")
-    return torch.device(device)
+    if kind == "cpu":
+        return torch.device("cpu")
+    # with an index, as the weights will report it: the target and an `lm:` drafter naming the same model share them
+    return torch.device(kind, int(index) if index else (torch.cuda.current_device() if kind == "cuda" else 0))
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,22 @@ def load_model(spec: str | None = None, dtype: str = "float32", device: str = "a
         loaded = LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
         _cache[key] = loaded
         return loaded
+
+
+def load_tokenizer(spec: str | None = None) -> object:
+    """The tokenizer alone (a Ray driver that reports on a GPU run may have no GPU): a loaded model's if any."""
+    spec = spec or EMBEDDED
+    with _lock:
+        loaded = next((m for key, m in _cache.items() if key[0] == spec), None)
+    if loaded is not None:
+        return loaded.tokenizer
+    from transformers import AutoTokenizer
+
+    name, kwargs = _locate(spec)
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"cannot load the tokenizer of {spec!r}: {err}") from err
 
 
 def check_full_attention(config: object, spec: str) -> None:

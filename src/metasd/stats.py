@@ -20,6 +20,7 @@ class Round:
     verify_time: float
     policy_time: float  # choose + proposals for hindsight + feedback
     emitted: int  # tokens this round added to the output: accepted + the target's own, unless cut
+    chosen_k: int | None = None  # the length the policy asked for; drafted is shorter when a proposal runs out
 
 
 @dataclass

@@ -187,11 +187,11 @@ def summarize_drift(requests: list[DriftRequest], results: dict, methods: Sequen
 def add_drift(cfg, summary: dict, results: dict, out: Path) -> None:
     """For a --drift run: write drift_prompts.jsonl into `out` and the drift section into the summary. The
     boundary needs the tokenizer: the target's, loaded once per process (already loaded in the measuring one)."""
-    from ..models import load_model
+    from ..models import load_tokenizer
 
     requests = drift_requests(load_questions(cfg.questions), cfg.seed, cfg.per_category, cfg.categories)
     write_prompts(out / "drift_prompts.jsonl", requests)
-    tokenizer = load_model(summary["config"]["target"], cfg.dtype, cfg.device).tokenizer
+    tokenizer = load_tokenizer(summary["config"]["target"])
     summary["drift"] = summarize_drift(requests, results, summary["config"]["methods"],
                                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     summary["drift"]["prompts_file"] = "drift_prompts.jsonl"

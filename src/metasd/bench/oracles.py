@@ -80,6 +80,9 @@ def acceptance_table(drafters: Sequence, prompt: list[int], reference: list[int]
     per_token = np.array([bool(getattr(d, "has_cache", False)) for d in drafters], dtype=bool)
     seconds = np.zeros(len(drafters))
     calls = np.zeros(len(drafters))
+    for i, d in enumerate(drafters):  # untimed: a model drafter's first call prefills the prompt, no draft cost
+        if per_token[i] and n and budgets[0] > 0:
+            d.propose(list(prompt), 1, params, None)
     for pos in range(n):
         k = int(budgets[pos])
         if k == 0:
@@ -173,8 +176,9 @@ class Regret:
 
 
 def regret(table: AcceptanceTable, rounds: Sequence[Round], drafter_names: Sequence[str]) -> Regret:
-    """Regret of a run's drafter choices: per round, at that round's draft length, the best accepted length minus
-    the chosen drafter's (rounds without a drafter count 0)."""
+    """Regret of a run's drafter choices: per round, at the draft length the policy chose, the best accepted length
+    minus the chosen drafter's (an n-gram lookup that finds nothing still had its chance: rounds without a drafter
+    count 0)."""
     index = {name: i for i, name in enumerate(drafter_names)}
     pos = 0
     per_round: list[int] = []
@@ -185,10 +189,10 @@ def regret(table: AcceptanceTable, rounds: Sequence[Round], drafter_names: Seque
         if r.drafter is None or r.drafter not in index:
             per_round.append(0)
         else:
-            row = np.minimum(table.accepted[pos], r.drafted)
-            chosen = int(row[index[r.drafter]])
-            per_round.append(int(row.max()) - chosen)
-            disagreements += chosen != r.accepted
+            row = np.minimum(table.accepted[pos], r.chosen_k if r.chosen_k is not None else r.drafted)
+            arm = index[r.drafter]
+            per_round.append(int(row.max()) - int(row[arm]))
+            disagreements += min(int(table.accepted[pos, arm]), r.drafted) != r.accepted
         pos += r.emitted
     return Regret(per_round, disagreements)
 
