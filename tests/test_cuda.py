@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from conftest import greedy_reference
 from test_engine import CATEGORIES, MAX_NEW
 from test_sampling_distribution import DRAWS, _tiny, chi2, chi2_bound, draw, exact_pairs
 
@@ -29,15 +30,10 @@ def cuda_decoder(embedded):
 @pytest.fixture(scope="module")
 def cuda_cases(cuda_decoder, questions_path):
     questions = [json.loads(line) for line in questions_path.read_text().splitlines()]
-    model = cuda_decoder.target.model
     out = []
     for category in CATEGORIES:
-        question = next(q for q in questions if q["category"] == category)
-        ids = cuda_decoder.encode(question["turns"][0])
-        input_ids = torch.tensor([ids], device="cuda")
-        reference = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                   max_new_tokens=MAX_NEW)
-        out.append((category, ids, reference[0, len(ids):].tolist()))
+        ids = cuda_decoder.encode(next(q for q in questions if q["category"] == category)["turns"][0])
+        out.append((category, ids, greedy_reference(cuda_decoder.target.model, ids, MAX_NEW)))
     return out
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
+from conftest import greedy_reference
 
 from metasd.drafters.datastore import SEP, Datastore, DatastoreDrafter, load_datastore, tokenizer_fingerprint
 from metasd.index import build_index, suffix_array
@@ -196,9 +196,7 @@ def test_greedy_decoding_with_datastores_in_the_pool_is_lossless(embedded, tmp_p
     build_index([str(corpus)], tmp_path / "idx", tokenizer, progress=False)
     decoder = Decoder(drafters=["ngram", f"datastore:{tmp_path / 'idx'}"], policy="round-robin", draft_len=4)
     ids = decoder.encode("Name three primary colors.")
-    input_ids = torch.tensor([ids], device=embedded.device)
-    reference = embedded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                        do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
+    reference = greedy_reference(embedded.model, ids, 16)
     result = decoder.generate(ids, max_new_tokens=16)
     assert result.token_ids == reference
     drafted = result.stats.to_dict()["drafters"][f"datastore:{tmp_path / 'idx'}"]

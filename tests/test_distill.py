@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import greedy_reference
 
 from metasd.distill import distill, prompt_messages, read_prompts
 
@@ -51,9 +52,7 @@ def test_tiny_distillation_loads_as_lm_and_stays_lossless(embedded, tmp_path):
                        embedded.model.get_input_embeddings().weight)  # frozen, shared with the target
     decoder = Decoder(drafters=[drafter], policy=f"fixed:lm:{out}", draft_len=3)
     ids = decoder.encode("Name a color.")
-    input_ids = torch.tensor([ids], device=embedded.device)
-    reference = embedded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                        do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()
+    reference = greedy_reference(embedded.model, ids, 12)
     result = decoder.generate(ids, max_new_tokens=12)
     assert result.token_ids == reference
     assert result.stats.to_dict()["drafters"][f"lm:{out}"]["drafted"] > 0

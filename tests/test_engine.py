@@ -4,7 +4,7 @@ import json
 from itertools import pairwise
 
 import pytest
-import torch
+from conftest import greedy_reference
 
 from metasd import Decoder, Draft
 from metasd.drafters.ngram import NgramDrafter
@@ -47,10 +47,7 @@ def cases(decoder, questions_path):
     for category in CATEGORIES:
         question = next(q for q in questions if q["category"] == category)
         ids = decoder.encode(question["turns"][0])
-        input_ids = torch.tensor([ids], device=decoder.target.device)
-        reference = decoder.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                                  do_sample=False, max_new_tokens=MAX_NEW)
-        out.append((category, ids, reference[0, len(ids):].tolist()))
+        out.append((category, ids, greedy_reference(decoder.target.model, ids, MAX_NEW)))
     return out
 
 
@@ -130,9 +127,7 @@ def test_suffix_history_holds_whole_outputs_even_rounds_it_sat_out(embedded):
 
 def test_generation_stops_at_eos_where_generate_does(decoder):
     ids = decoder.encode("Reply with only the word: yes")
-    input_ids = torch.tensor([ids], device=decoder.target.device)
-    reference = decoder.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                              do_sample=False, max_new_tokens=64)[0, len(ids):].tolist()
+    reference = greedy_reference(decoder.target.model, ids, 64)
     result = decoder.generate(ids, max_new_tokens=64, policy="metasd-ucb")
     assert result.token_ids == reference
     assert result.finish_reason == "stop" and result.token_ids[-1] in decoder.target.eos_token_ids
