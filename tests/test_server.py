@@ -113,7 +113,9 @@ def test_completions_equal_generate(client, reference):
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want.stats.prompt_tokens, len(want.token_ids))
     report = got.model_extra["metasd"]
     assert report["new_tokens"] == len(want.token_ids)
-    assert 0 < sum(d["pulls"] for d in report["drafters"].values()) <= report["rounds"]  # no draft when 1 token left
+    # the default policy drafts only where this machine's costs say it pays, so zero drafting rounds is possible
+    assert 0 < report["rounds"] <= len(want.token_ids)
+    assert sum(d["pulls"] for d in report["drafters"].values()) <= report["rounds"]  # no draft when 1 token left
 
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want.text
@@ -153,6 +155,7 @@ def test_extension_fields_pick_policy_and_drafters(client, reference):
     report = got.model_extra["metasd"]
     assert set(report["drafters"]) == {"suffix"}
     assert report["policy"]["pulls"] == {"suffix": report["drafters"]["suffix"]["pulls"]}
+    assert 0 < report["drafters"]["suffix"]["pulls"] <= report["rounds"]  # round-robin drafts every round but the last
 
 
 def test_null_fields_mean_defaults(http):
