@@ -76,8 +76,14 @@ def test_optimism_tries_an_unknown_model_drafter():
     policy.attach(CostModel(TargetCost([0.010] * 13)), ["free", "model"], [True, False])
     assert policy.choose(4, {}, [0, 0]) == (None, 0)  # first a plain step: T(1) is every estimate's yardstick
     policy.costs.target.observe(1, 0.010)
-    arm, k = policy.choose(4, {0: Draft([])}, [0, 0])
-    assert arm == 1 and k >= 1
+    assert policy.choose(4, {0: Draft([])}, [0, 0]) == (1, 1)  # optimism buys a 1-token try, not 4 guesses
+    for _ in range(3):  # three first tokens accepted: the plan may now reach position 1
+        policy.acceptance.learn(1, None, accepted=1, decided=1)
+    assert policy.choose(4, {0: Draft([])}, [0, 0]) == (1, 2)
+    for j in (1, 2, 3):  # positions 1, 2 and 3+ seen too: the whole length is open
+        for _ in range(3):
+            policy.acceptance.learn(1, None, accepted=j + 1, decided=j + 1)
+    assert policy.choose(4, {0: Draft([])}, [0, 0]) == (1, 4)
 
 
 def test_stop_rule_ends_a_draft_whose_tokens_are_unlikely():

@@ -299,6 +299,7 @@ def test_answer_line_and_mismatches() -> None:
     (["--methods", "hf-assisted"], "needs an lm:"),
     (["--max-new-tokens", "0"], "max-new-tokens must be an integer >= 1"),
     (["--preset", "qwen-coder", "--models-dir", "/nonexistent"], "qwen-coder-pair.sh"),
+    (["--preset", "specialists", "--models-dir", "/nonexistent"], "scripts/build_specialists.py"),
 ])
 def test_cli_errors(args: list[str], message: str, questions_path: Path, tmp_path: Path, capsys) -> None:
     if "--questions" not in args:
@@ -397,3 +398,23 @@ def test_model_drafters_and_hf_assisted(embedded, questions_path: Path, tmp_path
     # the target drafting for itself is always right: k + 1 tokens a round except at the end
     assert summary["methods"]["fixed:lm:embedded"]["overall"]["mean_accepted_tokens"] > 4
     assert summary["methods"]["hf-assisted"]["overall"]["mean_accepted_tokens"] > 4
+
+
+def test_specialists_preset_pools_every_datastore_the_ofa_and_distilled_drafters(tmp_path: Path) -> None:
+    from metasd.bench.presets import SPECIALIST_METHODS, preset
+
+    for name in ("code", "chat", "math", "translation", "mixed"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "header.json").write_text("{}")
+    (tmp_path / "distill-code").mkdir()
+    (tmp_path / "distill-code" / "config.json").write_text("{}")
+    (tmp_path / "distill-math").mkdir()  # no model saved yet: not in the pool
+    settings = preset("specialists", tmp_path)
+    assert settings["drafters"].split(",") == [
+        "ngram", *(f"datastore:{tmp_path / n}" for n in ("code", "chat", "math", "translation", "mixed")),
+        f"lm:{tmp_path / 'distill-code'}"]
+    assert settings["methods"] == SPECIALIST_METHODS
+    assert "oracle-category" in settings["methods"]  # it brings every drafter's fixed run: each specialist alone
+    (tmp_path / "math" / "header.json").unlink()
+    with pytest.raises(ValueError, match="math"):
+        preset("specialists", tmp_path)

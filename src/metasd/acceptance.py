@@ -93,6 +93,18 @@ class AcceptanceModel:
         """[m] conditional acceptance before the draft exists (its signals unknown): the position means."""
         return self.position_means(arm)[positions(m)]
 
+    def explored_length(self, arm: int, k_max: int, min_tried: float = 3.0) -> int:
+        """The longest draft worth planning for `arm`: one position past the last whose acceptance has been tried
+        `min_tried` times in a row from position 0 (all of k_max once the last position cell, 3+, has been).
+        Optimism can then ask an unknown drafter for one token, not for k_max tokens priced at a guessed rate."""
+        tried = self.tried[arm].sum(0)
+        k = 1
+        for p in range(POSITIONS):
+            if tried[p] < min_tried:
+                break
+            k = p + 2 if p < POSITIONS - 1 else k_max
+        return max(1, min(k, k_max))
+
     def evidence(self, arm: int) -> float:
         """Observations behind arm's estimates in this request (prior included): what optimism shrinks with."""
         return float(self.tried[arm].sum())

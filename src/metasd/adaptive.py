@@ -11,7 +11,10 @@ step at rate 1 / (T(1) + overhead), is always an option, so a pool that cannot p
   deterministic, so cutting after seeing them keeps sampling exact. Each proposal is judged in hindsight against
   the output (`hindsight.py`), whether it drafted or not: they need no exploration.
 - Drafters with a model are planned from position means before drafting, with an optimism bonus that shrinks as
-  evidence accumulates (the MetaSD bandit layer: a drafter is tried while it might be best). While drafting, a stop
+  evidence accumulates (the MetaSD bandit layer: a drafter is tried while it might be best). The plan reaches only
+  one position past those already seen tried (`AcceptanceModel.explored_length`): optimism on an unknown drafter
+  buys a 1-token try, then 2, ..., not 12 tokens at a guessed rate (measured on the Qwen pair: untried drafters sent
+  7-12 tokens at 3x the cost of a plain step and lost most of them). While drafting, a stop
   rule ends the draft before token j when its q_j (seen before the token is drawn) says the expected extra tokens
   are worth less than the verification time they add at the planned rate (HF's confidence threshold and
   SpecDec++, with the threshold derived from the measured costs instead of fixed).
@@ -122,10 +125,11 @@ class AdaptivePolicy:
                 gain = expected_tokens(self.acceptance.rates(arm, draft.confidence, m))
                 rate = gain / t[: m + 1]  # proposals are already paid for: only verification counts
             else:
-                rates = np.minimum(self.acceptance.plan_rates(arm, k_max) + self._bonus(arm), 1.0)
+                m = self.acceptance.explored_length(arm, k_max)
+                rates = np.minimum(self.acceptance.plan_rates(arm, m) + self._bonus(arm), 1.0)
                 gain = expected_tokens(rates)
-                cost = np.array([costs.drafter(self.names[arm]).estimate(k, lags[arm], t[0]) for k in range(k_max + 1)])
-                rate = gain / (t[: k_max + 1] + cost)
+                cost = np.array([costs.drafter(self.names[arm]).estimate(k, lags[arm], t[0]) for k in range(m + 1)])
+                rate = gain / (t[: m + 1] + cost)
             k = int(np.argmax(rate[1:])) + 1
             if rate[k] > best[0]:
                 best = (float(rate[k]), arm, k)

@@ -51,14 +51,17 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                         "(about 10 minutes on 2 cores)")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="qwen-coder: Qwen2.5-Coder-1.5B target + 0.5B lm: drafter beside ngram, suffix, early-exit; "
-                        "drift: the same as --drift")
+                        "drift: the same as --drift; specialists: ngram, one datastore per domain, the mixed "
+                        "(one-size-fits-all) datastore and any distilled drafter from --models-dir (default "
+                        "./specialists, built by scripts/build_specialists.py) with the paper's Table-3 methods")
     p.add_argument("--drift", action="store_true",
                    help="drift workload: each request asks two Spec-Bench tasks of different groups in one turn "
                         "(copying then reasoning or code, two translation directions), built from --seed; "
                         "--categories then takes drift kinds (drift-copy-math, drift-copy-code, drift-translation), "
                         "--per-category counts per kind (default 3), 192 new tokens; same as --preset drift")
     p.add_argument("--models-dir", default=None,
-                   help="where the qwen-coder pair lives (default: $METASD_MODELS or ~/.cache/metasd-models)")
+                   help="where the qwen-coder pair lives (default: $METASD_MODELS or ~/.cache/metasd-models), or "
+                        "the specialists folder (default: $METASD_SPECIALISTS or ./specialists)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up call of each method")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -125,7 +128,10 @@ def bench_command(args: argparse.Namespace) -> None:
                 "max_new_tokens": args.max_new_tokens, "drafters": args.drafters, "target": args.target,
                 "dtype": args.dtype}
     settings.update({key: value for key, value in explicit.items() if value is not None})
-    methods = args.methods if args.methods is not None or not settings.get("drift") else drift_methods()
+    preset_methods = settings.pop("methods", None)
+    if settings.get("drift"):
+        preset_methods = drift_methods()
+    methods = args.methods if args.methods is not None else preset_methods
     cfg = BenchConfig(questions=args.questions, out=args.out, methods=methods, draft_len=args.draft_len,
                       seed=args.seed, device=args.device, threads=args.threads, policy_scope=args.policy_scope,
                       warmup=not args.no_warmup,

@@ -17,10 +17,20 @@ QUICK = {"categories": list(GROUPS), "per_category": 1, "max_new_tokens": 64}
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 QWEN_DRAFTER = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 PAIR_SCRIPT = "../shared/models/qwen-coder-pair.sh"
-PRESETS = ("qwen-coder", "drift")
+PRESETS = ("qwen-coder", "drift", "specialists")
 # `--drift` / `--preset drift`: requests that change task midway (bench/drift.py), 3 per kind (9 in all). 192 new
 # tokens: the first answer must end early enough that the second one starts within the budget.
 DRIFT = {"drift": True, "categories": None, "per_category": 3, "max_new_tokens": 192}
+
+
+# `--preset specialists`: the paper's Table 3 on our models. The pool holds n-gram lookup, one datastore per domain
+# and the one-size-fits-all datastore built from all corpora mixed (`scripts/build_specialists.py`), plus any
+# distilled drafter found beside them (`metasd distill --out DIR/distill-DOMAIN`). oracle-category runs every
+# drafter alone, so the report's per-group table reads as Table 3: each specialist, OFA, the paper's bandit, ours.
+SPECIALIST_DOMAINS = ("code", "chat", "math", "translation")
+OFA = "mixed"
+SPECIALIST_METHODS = ["ar", "metasd-ucb", "metasd-adaptive", "oracle-round", "oracle-category"]
+SPECIALISTS_SCRIPT = "scripts/build_specialists.py"
 
 
 def default_models_dir() -> Path:
@@ -40,9 +50,26 @@ def qwen_coder(models_dir: str | Path | None = None) -> dict:
     return {"target": str(target), "drafters": f"ngram,suffix,early-exit,lm:{drafter}", "dtype": "bfloat16"}
 
 
+def specialists(models_dir: str | Path | None = None) -> dict:
+    """The specialists pool from the folder `scripts/build_specialists.py` writes (default: ./specialists)."""
+    root = Path(models_dir or os.environ.get("METASD_SPECIALISTS", "specialists")).expanduser()
+    datastores = [root / name for name in (*SPECIALIST_DOMAINS, OFA)]
+    missing = [str(p) for p in datastores if not (p / "header.json").is_file()]
+    if missing:
+        raise ValueError(f"--preset specialists: no datastore at {', '.join(missing)}; build them with "
+                         f"`python {SPECIALISTS_SCRIPT}` (about 10 minutes), or pass --models-dir")
+    distilled = [p for name in (*SPECIALIST_DOMAINS, OFA)
+                 if (p := root / f"distill-{name}" / "config.json").is_file()]
+    pool = ["ngram", *(f"datastore:{p}" for p in datastores), *(f"lm:{p.parent}" for p in distilled)]
+    return {"drafters": ",".join(pool), "methods": list(SPECIALIST_METHODS)}
+
+
 def preset(name: str, models_dir: str | Path | None = None) -> dict:
+    """A preset's settings; "methods" (when present) is the default method list, not a BenchConfig field."""
     if name == "qwen-coder":
         return qwen_coder(models_dir)
+    if name == "specialists":
+        return specialists(models_dir)
     if name == "drift":
         return dict(DRIFT)
     raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
