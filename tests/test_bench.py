@@ -188,8 +188,8 @@ def test_acceptance_table_on_synthetic_drafters() -> None:
 
 def test_history_gives_every_method_the_same_suffix_index() -> None:
     suffix = SuffixDrafter(depth=4)
-    history = DrafterHistory({"suffix": suffix, "model": Constant(has_cache=True)})
-    assert list(history.stateful) == ["suffix"]  # drafters with a model cache are left alone
+    history = DrafterHistory({"suffix": suffix, "model": Constant(has_cache=True), "free": Constant(has_cache=False)})
+    assert list(history.stateful) == ["suffix"]  # only a drafter that learns across requests is snapshotted
     params = SamplingParams()
     answer = [11, 12, 13, 14, 15]
     history.advance([([1, 2], answer)])  # question 0 served: its answer joins the cross-request index

@@ -141,6 +141,23 @@ def test_drafter_proposes_the_known_continuation(tmp_path):
     assert DatastoreDrafter(Datastore(tmp_path / "idx"), min_match=3).propose([11, 1, 2], 3, GREEDY, None).tokens == []
 
 
+def test_bench_history_leaves_a_datastore_alone(tmp_path):
+    """The benchmark snapshots drafters that learn across requests; a datastore's memory maps are shared, read-only
+    and unpicklable (a bench with a datastore in the pool once failed here)."""
+    from metasd.bench.history import DrafterHistory
+    from metasd.drafters.suffix import SuffixDrafter
+
+    tok = WordTokenizer(WORDS)
+    (tmp_path / "c.txt").write_text("w1 w2 w3 w4 w5")
+    build_index([str(tmp_path / "c.txt")], tmp_path / "idx", tok, depth=4, progress=False)
+    datastore = DatastoreDrafter(Datastore(tmp_path / "idx"))
+    history = DrafterHistory({"suffix": SuffixDrafter(depth=4), "ds": datastore})
+    assert list(history.stateful) == ["suffix"]
+    history.advance([([1, 2], [3, 4])])
+    history.restore()
+    assert datastore.propose([9, 2, 3], 2, GREEDY, None).tokens == [4, 5]
+
+
 def test_loaded_once_per_path(corpus):
     out = corpus[2]
     assert load_datastore(out) is load_datastore(str(out) + "/")

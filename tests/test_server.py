@@ -70,8 +70,9 @@ def server(embedded):
 
 @pytest.fixture(scope="module")
 def small(embedded):
-    """Server-scope policies and room for one waiting request; no API key."""
-    with running(create_app(Decoder(drafters=POOL, policy_scope="server"), max_queue=1)) as url:
+    """Server-scope policies and room for one waiting request; no API key. The paper's UCB drafts every round, so
+    the policy's pull counts grow on any machine (the default drafts only where this machine's costs say it pays)."""
+    with running(create_app(Decoder(drafters=POOL, policy="metasd-ucb", policy_scope="server"), max_queue=1)) as url:
         yield url
 
 

@@ -3,8 +3,9 @@
 Some drafters learn across requests (the suffix drafter indexes earlier outputs). Methods are interleaved per
 question, so without care the second method on a question would find the first method's answer to that very
 question in the index and draft it back almost perfectly. Instead, before each method runs on question i, the
-model-free drafters are restored to one snapshot: "has served the reference (`ar`) answers of questions 0..i-1".
-Drafters with a model cache (`has_cache`) keep no state across requests (their `begin` resets it) and are left alone.
+drafters that say they learn across requests (`learns_across_requests`) are restored to one snapshot: "has served
+the reference (`ar`) answers of questions 0..i-1". The others keep nothing from one request to the next and are left
+alone (a datastore's memory maps are shared and read-only, and cannot be pickled).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pickle
 
 class DrafterHistory:
     def __init__(self, drafters: dict):
-        self.stateful = {name: d for name, d in drafters.items() if not getattr(d, "has_cache", True)}
+        self.stateful = {name: d for name, d in drafters.items() if getattr(d, "learns_across_requests", False)}
         self._snapshot = self._capture()
 
     def _capture(self) -> dict[str, bytes]:

@@ -81,7 +81,7 @@ def drafter_picks(results, summary: dict, drafters: list[str], path: Path) -> bo
         ax.set_title(title, fontsize=9, loc="left")
         ax.set_xlabel("round")
     handles = [Patch(color=PALETTE[i], label=label(d)) for i, d in enumerate(drafters)]
-    handles.append(Patch(color="#dddddd", label="no draft (last token)"))
+    handles.append(Patch(color="#dddddd", label="no draft (a plain target step)"))
     fig.legend(handles=handles, loc="outside upper center", ncol=min(len(handles), 5), fontsize=8)
     fig.savefig(path, dpi=110)
     return True

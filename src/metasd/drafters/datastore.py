@@ -26,7 +26,7 @@ import hashlib
 import json
 import mmap
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -253,9 +253,6 @@ def load_datastore(path: str | Path) -> Datastore:
         return _stores[key]
 
 
-_HAS_CONFIDENCE = "confidence" in {f.name for f in fields(Draft)}
-
-
 class DatastoreDrafter:
     """Drafts the corpus's most frequent continuation of the context's longest match; no cache, no model."""
 
@@ -278,6 +275,4 @@ class DatastoreDrafter:
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         self.last = self.store.lookup(context, k, self.min_match, self.max_matches)
-        if _HAS_CONFIDENCE:
-            return Draft(self.last.tokens, confidence=self.last.confidence)
-        return Draft(self.last.tokens)
+        return Draft(self.last.tokens, confidence=self.last.confidence)
