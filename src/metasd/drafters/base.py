@@ -48,10 +48,10 @@ class StoppableDrafter(Protocol):
 class Drafter(Protocol):
     name: str
     has_cache: bool  # True when sitting out rounds leaves state to catch up on (counted by the engine)
-    # Optional, default False: True when `end` teaches the drafter something the next request drafts from (the
-    # suffix drafter indexes outputs). The benchmark snapshots exactly these drafters so that every method meets the
-    # same history (bench/history.py); others may hold unpicklable shared state such as a datastore's memory maps.
-    # learns_across_requests: bool
+    # An optional attribute, not part of the protocol (default False): `learns_across_requests = True` when `end`
+    # teaches the drafter something the next request drafts from (the suffix drafter indexes outputs). The
+    # benchmark snapshots exactly these drafters so that every method meets the same history (bench/history.py);
+    # the others may hold unpicklable shared state, such as a datastore's memory maps.
 
     def begin(self, prompt: list[int]) -> None:
         """A new request starts from this prompt."""
