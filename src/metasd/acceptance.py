@@ -103,7 +103,7 @@ class AcceptanceModel:
             if tried[p] < min_tried:
                 break
             k = p + 2 if p < POSITIONS - 1 else k_max
-        return max(1, min(k, k_max))
+        return min(k, k_max)
 
     def evidence(self, arm: int) -> float:
         """Observations behind arm's estimates in this request (prior included): what optimism shrinks with."""

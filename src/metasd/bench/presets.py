@@ -53,14 +53,14 @@ def qwen_coder(models_dir: str | Path | None = None) -> dict:
 def specialists(models_dir: str | Path | None = None) -> dict:
     """The specialists pool from the folder `scripts/build_specialists.py` writes (default: ./specialists)."""
     root = Path(models_dir or os.environ.get("METASD_SPECIALISTS", "specialists")).expanduser()
-    datastores = [root / name for name in (*SPECIALIST_DOMAINS, OFA)]
+    names = (*SPECIALIST_DOMAINS, OFA)
+    datastores = [root / name for name in names]
     missing = [str(p) for p in datastores if not (p / "header.json").is_file()]
     if missing:
         raise ValueError(f"--preset specialists: no datastore at {', '.join(missing)}; build them with "
                          f"`python {SPECIALISTS_SCRIPT}` (about 10 minutes), or pass --models-dir")
-    distilled = [p for name in (*SPECIALIST_DOMAINS, OFA)
-                 if (p := root / f"distill-{name}" / "config.json").is_file()]
-    pool = ["ngram", *(f"datastore:{p}" for p in datastores), *(f"lm:{p.parent}" for p in distilled)]
+    distilled = [d for name in names if ((d := root / f"distill-{name}") / "config.json").is_file()]
+    pool = ["ngram", *(f"datastore:{p}" for p in datastores), *(f"lm:{d}" for d in distilled)]
     return {"drafters": ",".join(pool), "methods": list(SPECIALIST_METHODS)}
 
 
