@@ -13,6 +13,7 @@ from metasd.acceptance import AcceptanceModel, expected_tokens
 from metasd.adaptive import AdaptivePolicy, parse_params
 from metasd.costs import CostModel, TargetCost, cache_file, calibration_key, load_or_calibrate
 from metasd.hindsight import Hindsight
+from metasd.linear_kernels import KERNELS, install, installed
 from metasd.policies import build_policy, canonical_policy
 
 
@@ -22,10 +23,8 @@ def policy_with(table, accept=0.9, n_arms=2, free=(True, False), beta=0.0, signa
     policy.attach(CostModel(TargetCost(table)), [f"d{i}" for i in range(n_arms)], list(free))
     policy.costs.target.observe(1, table[0])  # a plain step measured: no check round due
     hits = int(trials * accept)
-    for arm in range(n_arms):
-        for j in range(4):
-            policy.acceptance.accepted[arm, :, j] = hits
-            policy.acceptance.tried[arm, :, j] = trials
+    policy.acceptance.accepted[:] = hits
+    policy.acceptance.tried[:] = trials
     return policy
 
 
@@ -107,6 +106,21 @@ def test_acceptance_model_learns_per_signal_and_position_and_starts_from_history
     assert model.tried.max() <= 10 + 1e-9 and model.rates(0, [1.0], 1)[0] > 0.8  # history as a bounded prior
     assert AcceptanceModel(1).rates(0, None, 2).tolist() == [0.5, 0.5]  # uninformed
     assert expected_tokens(np.array([1.0, 0.5])).tolist() == [1.0, 2.0, 2.5]
+
+
+def test_deep_positions_have_their_own_cells():
+    """A drafter whose spans always run out after 6 tokens: tokens 3-5 are sure, token 6 never; one rate from
+    token 3 on would price both alike."""
+    model = AcceptanceModel(1, prior_weight=0)
+    assert model.explored_length(0, 12) == 1
+    for _ in range(50):
+        model.learn(0, None, accepted=6, decided=12)
+    rates = model.rates(0, None, 12)
+    assert rates[3:6].min() > 0.9 and rates[6:9].max() < 0.1 and rates[9] == 0.5  # 9+ never tried
+    assert model.explored_length(0, 12) == 10  # cells up to 6-8 seen, the plan may reach position 9
+    for _ in range(3):
+        model.learn(0, None, accepted=12, decided=12)
+    assert model.explored_length(0, 12) == 12
 
 
 def test_hindsight_waits_for_the_output_that_decides_a_proposal():
@@ -196,19 +210,26 @@ def tiny_model():
 
 def test_calibration_cache_round_trip_and_corrupt_or_foreign_files(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
-    table = load_or_calibrate("tiny", tiny_model, 4)
-    assert len(table) == 4 and all(t > 0 for t in table)
+    found = load_or_calibrate("tiny", tiny_model, 4)
+    assert len(found.table) == 4 and all(t > 0 for t in found.table)
+    assert len(found.kernels) == 4 and set(found.kernels) <= set(KERNELS)
+    assert installed(tiny_model) == found.kernels  # the calibration routed the layers to the kernels it chose
     key = calibration_key("tiny", tiny_model, 4)
     path = cache_file(key)
-    assert json.loads(path.read_text())["table"] == table
-    assert load_or_calibrate("tiny", tiny_model, 4) == table  # read back, not measured again
-    for content in ("{not json", json.dumps({"key": {**key, "threads": 999}, "table": table}),
-                    json.dumps({"key": key, "table": [1.0, -2.0, 3.0, 4.0]})):
+    assert json.loads(path.read_text())["table"] == found.table
+    install(tiny_model, ["linear"] * 4)
+    assert load_or_calibrate("tiny", tiny_model, 4) == found  # read back, not measured again
+    assert installed(tiny_model) == found.kernels  # and its kernels installed again
+    good = {"key": key, "table": found.table, "kernels": found.kernels}
+    for content in ("{not json", json.dumps({**good, "key": {**key, "threads": 999}}),
+                    json.dumps({**good, "table": [1.0, -2.0, 3.0, 4.0]}),
+                    json.dumps({**good, "kernels": ["linear", "fancy", "linear", "linear"]}),
+                    json.dumps({"key": key, "table": found.table})):
         path.write_text(content)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             again = load_or_calibrate("tiny", tiny_model, 4)
-        assert len(again) == 4 and all(t > 0 for t in again)
+        assert len(again.table) == 4 and all(t > 0 for t in again.table)
         assert any("ignoring the calibration cache" in str(w.message) for w in caught)
 
 

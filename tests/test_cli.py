@@ -1,4 +1,4 @@
-"""`metasd generate`: the JSON contract, prompt files, and clear errors with a non-zero exit."""
+"""`metasd generate` and `calibrate`: the JSON contract, prompt files, T(M), clear errors with a non-zero exit."""
 
 import json
 
@@ -71,3 +71,18 @@ def test_malformed_prompt_file(capsys, tmp_path):
     path.write_text('{"prompt": "ok"}\nnot json\n')
     assert main(["generate", "--prompt-file", str(path)]) != 0
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_calibrate_prints_the_table_and_the_kernel_of_each_m(capsys, embedded):
+    from metasd.linear_kernels import KERNELS, install, installed
+
+    before = installed(embedded.model)
+    try:
+        for mode, allowed in (("torch", {"linear"}), ("auto", set(KERNELS))):
+            assert main(["calibrate", "--max-tokens", "3", "--kernels", mode]) == 0
+            rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+            assert [int(r[0]) for r in rows] == [1, 2, 3]
+            assert all(float(r[1]) > 0 for r in rows) and {r[3] for r in rows} <= allowed
+    finally:
+        if before is not None:
+            install(embedded.model, before)

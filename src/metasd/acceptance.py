@@ -18,7 +18,12 @@ from collections.abc import Sequence
 import numpy as np
 
 SIGNAL_LEVELS = 5  # confidence in [0, 1] -> 5 equal bins; one more bin for drafts without a signal
-POSITIONS = 4  # positions 0, 1, 2 and 3+
+# Position cells: the first of each. Acceptance given the earlier tokens were accepted keeps changing deep into a
+# draft (a copied span runs out), and where T(M) is flat the policy sends 8-12 tokens: one rate from token 3 on
+# would price the tail of such a draft like its head.
+CELL_STARTS = (0, 1, 2, 3, 4, 6, 9)
+POSITIONS = len(CELL_STARTS)
+_CELL_OF = np.searchsorted(CELL_STARTS, np.arange(CELL_STARTS[-1] + 1), side="right") - 1
 _POOL_WEIGHT = 2.0  # pseudo-observations a cell borrows from its drafter's position mean
 _BASE_WEIGHT = 1.0  # and that mean from 1/2
 
@@ -31,7 +36,8 @@ def signal_levels(confidence: Sequence[float] | None, m: int) -> np.ndarray:
 
 
 def positions(m: int) -> np.ndarray:
-    return np.minimum(np.arange(m), POSITIONS - 1)
+    """[m] the position cell of each token of an m-token draft."""
+    return _CELL_OF[np.minimum(np.arange(m), CELL_STARTS[-1])]
 
 
 class AcceptanceModel:
@@ -84,7 +90,7 @@ class AcceptanceModel:
     def rate_at(self, arm: int, confidence: float | None, position: int) -> float:
         """Conditional acceptance of one token at `position` with this signal."""
         level = int(signal_levels(None if confidence is None else [confidence], 1)[0])
-        pos = min(position, POSITIONS - 1)
+        pos = int(_CELL_OF[min(position, CELL_STARTS[-1])])
         pooled = self.position_means(arm)[pos]
         hits, tried = self.accepted[arm, level, pos], self.tried[arm, level, pos]
         return float((hits + _POOL_WEIGHT * pooled) / (tried + _POOL_WEIGHT))
@@ -94,15 +100,15 @@ class AcceptanceModel:
         return self.position_means(arm)[positions(m)]
 
     def explored_length(self, arm: int, k_max: int, min_tried: float = 3.0) -> int:
-        """The longest draft worth planning for `arm`: one position past the last whose acceptance has been tried
-        `min_tried` times in a row from position 0 (all of k_max once the last position cell, 3+, has been).
+        """The longest draft worth planning for `arm`: one position past the last cell whose acceptance has been
+        tried `min_tried` times, cell after cell from position 0 (all of k_max once the last cell has been).
         Optimism can then ask an unknown drafter for one token, not for k_max tokens priced at a guessed rate."""
         tried = self.tried[arm].sum(0)
         k = 1
-        for p in range(POSITIONS):
-            if tried[p] < min_tried:
+        for cell in range(POSITIONS):
+            if tried[cell] < min_tried:
                 break
-            k = p + 2 if p < POSITIONS - 1 else k_max
+            k = CELL_STARTS[cell + 1] + 1 if cell < POSITIONS - 1 else k_max
         return min(k, k_max)
 
     def evidence(self, arm: int) -> float:

@@ -28,6 +28,9 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
                              "up to its max parameter (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype; compare methods only at the same dtype (default: %(default)s)")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch"],
+                        help="the target's linear layers: auto routes each draft length to the faster of two matmul "
+                             "layouts, as calibrated on this machine; torch keeps F.linear (default: %(default)s)")
     add_device_args(parser)
 
 
@@ -57,7 +60,8 @@ def build_decoder(args: argparse.Namespace, **extra):
     from .engine import Decoder
 
     return Decoder(target=args.target, drafters=args.drafters, policy=args.policy, draft_len=args.draft_len,
-                   dtype=args.dtype, device=args.device, seed=getattr(args, "seed", None), **extra)
+                   dtype=args.dtype, device=args.device, seed=getattr(args, "seed", None), kernels=args.kernels,
+                   **extra)
 
 
 def _prompts(args: argparse.Namespace) -> Iterator[str]:
@@ -122,16 +126,19 @@ def _calibrate(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(args.threads)
     from .costs import cache_file, calibration_key, load_or_calibrate
+    from .linear_kernels import KERNEL_MODES
     from .models import load_model
 
     target = load_model(args.target, args.dtype, args.device)
-    table = load_or_calibrate(target.spec, target.model, args.max_tokens, refresh=args.refresh)
-    key = calibration_key(target.spec, target.model, args.max_tokens)
+    candidates = KERNEL_MODES[args.kernels]
+    found = load_or_calibrate(target.spec, target.model, args.max_tokens, refresh=args.refresh, candidates=candidates)
+    table = found.table
+    key = calibration_key(target.spec, target.model, args.max_tokens, candidates)
     print(f"T(M) for {key['model']} ({key['dtype']}, {key['threads']} threads, {key['device']}); "
           f"cache: {cache_file(key)}")
-    print(f"{'M':>4} {'ms':>9} {'T(M)/T(1)':>10}")
-    for m, t in enumerate(table, 1):
-        print(f"{m:>4} {t * 1000:>9.2f} {t / table[0]:>10.2f}")
+    print(f"{'M':>4} {'ms':>9} {'T(M)/T(1)':>10}  linear kernel")
+    for m, (t, kernel) in enumerate(zip(table, found.kernels, strict=True), 1):
+        print(f"{m:>4} {t * 1000:>9.2f} {t / table[0]:>10.2f}  {kernel}")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -196,7 +203,7 @@ def _serve_replicas(args: argparse.Namespace) -> None:
     except ImportError as err:
         raise ValueError(f"--replicas needs Ray Serve: pip install 'metasd[ray]' ({err})") from None
     decoder = {"target": args.target, "drafters": args.drafters, "policy": args.policy, "draft_len": args.draft_len,
-               "dtype": args.dtype, "device": args.device, "policy_scope": args.policy_scope}
+               "dtype": args.dtype, "device": args.device, "policy_scope": args.policy_scope, "kernels": args.kernels}
     app = {"api_key": args.api_key, "max_queue": args.max_queue, "max_body_bytes": args.max_body_bytes,
            "history_scope": args.history_scope}
     serve_replicas(decoder, app, args.replicas, host=args.host, port=args.port, address=args.ray,
@@ -225,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--refresh", action="store_true", help="measure again even if the cache has this machine's table")
     cal.add_argument("--target", default=None, help="hub id, directory or .gguf file (default: embedded SmolLM2)")
     cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    cal.add_argument("--kernels", default="auto", choices=["auto", "torch"],
+                     help="auto: time both matmul layouts per M and keep the faster; torch: F.linear only")
     add_device_args(cal)
     cal.set_defaults(handler=_calibrate)
     from .bench.cli import add_bench_parser

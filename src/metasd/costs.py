@@ -2,10 +2,11 @@
 
 T(M) is neither linear nor monotonic in M and differs by an order of magnitude between machines (vector units,
 thread count, dtype), so it is measured, never assumed: `calibrate` times cached forwards of M = 1 .. max new tokens
-at load (cached on disk per model, dtype, thread count and machine; `metasd calibrate` prints the table), and
-`TargetCost.observe` keeps refining it from every round's measured verification time. Drafter costs are learned
-online only: seconds per drafted token, per token of catch-up (a model drafter that sat out rounds first prefills
-what it missed), and per proposal for drafters without a model.
+at load under each linear kernel of `linear_kernels.py` and routes each M to the faster (cached on disk per model,
+dtype, thread count and machine; `metasd calibrate` prints the table), and `TargetCost.observe` keeps refining it
+from every round's measured verification time. Drafter costs are learned online only: seconds per drafted token,
+per token of catch-up (a model drafter that sat out rounds first prefills what it missed), and per proposal for
+drafters without a model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import platform
 import statistics
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from .embedded import cache_dir
+from .linear_kernels import KERNELS, install
 
 
 class _Mean:
@@ -127,11 +130,21 @@ class CostModel:
 CONTEXT = 256  # tokens already in the cache when timing: a typical prompt, so attention is not free
 
 
-@torch.inference_mode()
-def calibrate(model: torch.nn.Module, max_tokens: int, context: int = CONTEXT, reps: int = 5) -> list[float]:
-    """Median seconds of a cached forward over M new tokens after `context` cached tokens, M = 1 .. max_tokens.
+@dataclass(frozen=True)
+class Calibration:
+    """T(M) in seconds for M = 1 .. len(table), and the linear kernel (`linear_kernels`) each M was fastest under."""
 
-    The M are interleaved within each repetition, so a slow spell of the machine hits all of them alike.
+    table: list[float]
+    kernels: list[str]
+
+
+@torch.inference_mode()
+def calibrate(model: torch.nn.Module, max_tokens: int, context: int = CONTEXT, reps: int = 5,
+              candidates: Sequence[str] = KERNELS) -> Calibration:
+    """Median seconds of a cached forward over M new tokens after `context` cached tokens, M = 1 .. max_tokens,
+    under each candidate linear kernel; the faster kernel per M is installed on `model` and its time kept.
+
+    The (M, kernel) pairs are interleaved within each repetition, so a slow spell of the machine hits all alike.
     """
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
@@ -139,18 +152,23 @@ def calibrate(model: torch.nn.Module, max_tokens: int, context: int = CONTEXT, r
     ids = torch.randint(0, vocab, (1, context + max_tokens), generator=gen).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
-    times: list[list[float]] = [[] for _ in range(max_tokens)]
+    times = {kernel: [[] for _ in range(max_tokens)] for kernel in candidates}
     for rep in range(reps + 1):  # the first pass warms up
         for m in range(1, max_tokens + 1):
-            start = time.perf_counter()
-            model(input_ids=ids[:, context : context + m], cache=cache, use_cache=True, logits_to_keep=m)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - start
-            cache.crop(-m)
-            if rep:
-                times[m - 1].append(elapsed)
-    return [statistics.median(t) for t in times]
+            for kernel in candidates:
+                install(model, [kernel] * max_tokens)
+                start = time.perf_counter()
+                model(input_ids=ids[:, context : context + m], cache=cache, use_cache=True, logits_to_keep=m)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - start
+                cache.crop(-m)
+                if rep:
+                    times[kernel][m - 1].append(elapsed)
+    medians = {kernel: [statistics.median(t) for t in per_m] for kernel, per_m in times.items()}
+    kernels = [min(candidates, key=lambda k, i=i: medians[k][i]) for i in range(max_tokens)]
+    install(model, kernels)
+    return Calibration([medians[k][i] for i, k in enumerate(kernels)], kernels)
 
 
 def _cpu_name() -> str:
@@ -163,7 +181,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def calibration_key(spec: str, model: torch.nn.Module, max_tokens: int) -> dict:
+def calibration_key(spec: str, model: torch.nn.Module, max_tokens: int, candidates: Sequence[str] = KERNELS) -> dict:
     """Everything T(M) depends on: a table measured under another key is foreign."""
     import transformers
 
@@ -178,6 +196,7 @@ def calibration_key(spec: str, model: torch.nn.Module, max_tokens: int) -> dict:
         "transformers": transformers.__version__,
         "context": CONTEXT,
         "max_tokens": max_tokens,
+        "kernels": list(candidates),
     }
 
 
@@ -186,8 +205,8 @@ def cache_file(key: dict) -> Path:
     return cache_dir() / "calibration" / f"{digest}.json"
 
 
-def _read(path: Path, key: dict) -> list[float] | None:
-    """The cached table, or None (with a warning when a file is there but unusable: corrupt or foreign)."""
+def _read(path: Path, key: dict) -> Calibration | None:
+    """The cached calibration, or None (with a warning when a file is there but unusable: corrupt or foreign)."""
     if not path.is_file():
         return None
     try:
@@ -195,26 +214,32 @@ def _read(path: Path, key: dict) -> list[float] | None:
         if data["key"] != key:
             raise ValueError("it was measured for another model, dtype or machine")
         table = [float(t) for t in data["table"]]
-        if len(table) != key["max_tokens"] or any(not t > 0 for t in table):
+        kernels = [str(k) for k in data["kernels"]]
+        if len(table) != key["max_tokens"] or any(not t > 0 for t in table) or len(kernels) != len(table) \
+                or not set(kernels) <= set(key["kernels"]):
             raise ValueError("its table is malformed")
-        return table
+        return Calibration(table, kernels)
     except (OSError, ValueError, KeyError, TypeError) as err:
         warnings.warn(f"ignoring the calibration cache {path}: {err}", stacklevel=3)
         return None
 
 
-def load_or_calibrate(spec: str, model: torch.nn.Module, max_tokens: int, refresh: bool = False) -> list[float]:
-    """T(M) for M = 1 .. max_tokens from the disk cache, else measured now (seconds) and cached."""
-    key = calibration_key(spec, model, max_tokens)
+def load_or_calibrate(spec: str, model: torch.nn.Module, max_tokens: int, refresh: bool = False,
+                      candidates: Sequence[str] = KERNELS) -> Calibration:
+    """T(M) for M = 1 .. max_tokens from the disk cache, else measured now (seconds) and cached; either way the
+    model's linear layers are routed to the kernels the calibration chose among `candidates`."""
+    key = calibration_key(spec, model, max_tokens, candidates)
     path = cache_file(key)
-    table = None if refresh else _read(path, key)
-    if table is None:
-        table = calibrate(model, max_tokens)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(".partial")
-            partial.write_text(json.dumps({"key": key, "table": table}, indent=1))
-            partial.replace(path)
-        except OSError as err:  # a read-only home still decodes; it only calibrates again next time
-            warnings.warn(f"cannot write the calibration cache {path}: {err}", stacklevel=2)
-    return table
+    found = None if refresh else _read(path, key)
+    if found is not None:
+        install(model, found.kernels)
+        return found
+    found = calibrate(model, max_tokens, candidates=candidates)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps({"key": key, "table": found.table, "kernels": found.kernels}, indent=1))
+        partial.replace(path)
+    except OSError as err:  # a read-only home still decodes; it only calibrates again next time
+        warnings.warn(f"cannot write the calibration cache {path}: {err}", stacklevel=2)
+    return found

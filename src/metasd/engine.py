@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .adaptive import DEFAULTS as ADAPTIVE_DEFAULTS
 from .adaptive import AdaptivePolicy
 from .cached_model import CachedModel
 from .costs import CostModel, TargetCost, load_or_calibrate
 from .drafters import Draft, Drafter, build_drafter, parse_drafters
 from .drafters.base import StoppableDrafter
+from .linear_kernels import KERNEL_MODES
 from .models import LoadedModel, load_model
 from .outcome import RoundOutcome
 from .policies import Policy, build_policy, canonical_policy
@@ -53,11 +55,14 @@ class Decoder:
         policy_scope: str = "request",
         seed: int | None = None,
         device: str = "auto",
+        kernels: str = "auto",
     ):
         if not isinstance(draft_len, int) or draft_len < 1:
             raise ValueError(f"draft_len must be an integer >= 1, got {draft_len!r}")
         if policy_scope not in ("request", "server"):
             raise ValueError(f"policy_scope must be 'request' or 'server', got {policy_scope!r}")
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
         self.target: LoadedModel = load_model(target, dtype, device)
         self.tokenizer = self.target.tokenizer
         self.drafters: dict[str, Drafter] = {}
@@ -68,11 +73,15 @@ class Decoder:
             self.drafters[drafter.name] = drafter
         self.draft_len = draft_len
         self.policy_scope = policy_scope
+        self.kernels = kernels
         self.seed = seed
         self.default_policy = policy
         self._lm = CachedModel(self.target.model)
         self._policies: OrderedDict[tuple[str, tuple[str, ...]], Policy | None] = OrderedDict()
         self._costs: CostModel | None = None
+        # calibrate now whatever the policy: it also picks the target's linear kernels, and every request (plain
+        # decoding and Hugging Face's generate included) must run on the kernels it will run on later
+        self.cost_model(ADAPTIVE_DEFAULTS["max"] + 1)
         self._policy(policy, list(self.drafters))  # fail now, not at the first request
 
     @property
@@ -140,7 +149,8 @@ class Decoder:
         machine; refined by every round after). max_tokens: the largest M it must cover."""
         need = max(max_tokens or 0, self.draft_len + 1)
         if self._costs is None or self._costs.target.max_tokens < need:
-            table = load_or_calibrate(self.target.spec, self.target.model, need)
+            candidates = KERNEL_MODES[self.kernels]
+            table = load_or_calibrate(self.target.spec, self.target.model, need, candidates=candidates).table
             if self._costs is None:
                 self._costs = CostModel(TargetCost(table))
             else:

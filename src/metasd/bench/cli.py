@@ -38,6 +38,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--draft-len", type=int, default=5, help="k, tokens drafted per round (default: %(default)s)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model dtype (default: float32; qwen-coder preset: bfloat16)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch"],
+                   help="the target's linear layers, for every method: auto = the matmul layout calibrated fastest "
+                        "per draft length; torch = F.linear (default: %(default)s)")
     p.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the randomised policies (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
@@ -134,6 +137,7 @@ def bench_command(args: argparse.Namespace) -> None:
     methods = args.methods if args.methods is not None else preset_methods
     cfg = BenchConfig(questions=args.questions, out=args.out, methods=methods, draft_len=args.draft_len,
                       seed=args.seed, device=args.device, threads=args.threads, policy_scope=args.policy_scope,
+                      kernels=args.kernels,
                       warmup=not args.no_warmup,
                       progress=not args.no_progress, plots=not args.no_plots,
                       command=command_line(args), extra=extra, **settings)

@@ -102,7 +102,7 @@ class QuestionBench:
         specs = parse_drafters(cfg.drafters)
         self.decoder = decoder = Decoder(target=cfg.target, drafters=specs, policy="none", draft_len=cfg.draft_len,
                                          dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
-                                         policy_scope=cfg.policy_scope)
+                                         policy_scope=cfg.policy_scope, kernels=cfg.kernels)
         self.names = names = decoder.drafter_names
         self.methods = resolve_methods(cfg.methods, names, aliases=dict(zip(specs, names, strict=True)))
         self.pool = [decoder.drafters[n] for n in names]
@@ -114,7 +114,7 @@ class QuestionBench:
         self.history = DrafterHistory(decoder.drafters)
         self.timed = [m for m in self.methods if m not in DERIVED]
         self.others = [m for m in self.timed if m != "ar"]
-        self.need_tables = any(uses_drafters(m) for m in self.methods)
+        self.need_tables = "oracle-round" in self.methods and any(uses_drafters(m) for m in self.methods)
         loaded = time.perf_counter()
         for method in [m for m in self.timed if m != "oracle-round"] if cfg.warmup else []:
             self.history.restore()
@@ -178,7 +178,7 @@ def _fingerprint(cfg: BenchConfig, questions: list[Question]) -> dict:
     return {"questions_file": str(cfg.questions), "target": cfg.target, "drafters": cfg.drafters,
             "methods": cfg.methods, "max_new_tokens": cfg.max_new_tokens, "draft_len": cfg.draft_len,
             "dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed, "policy_scope": cfg.policy_scope,
-            "drift": getattr(cfg, "drift", False),
+            "drift": getattr(cfg, "drift", False), "kernels": cfg.kernels,
             "questions": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}
 
 
@@ -410,6 +410,7 @@ def _merge(cfg, questions, finished, info, cluster, loadavg_start, started, meas
         "drafters": names,
         "draft_len": cfg.draft_len,
         "dtype": cfg.dtype,
+        "kernels": cfg.kernels,
         "device": cfg.device,
         "max_new_tokens": cfg.max_new_tokens,
         "questions_file": str(cfg.questions),

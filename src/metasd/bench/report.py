@@ -188,10 +188,13 @@ def _costs_and_lengths(summary: dict) -> list[str]:
         cal, end = cost["calibrated"], cost["end_of_run"]
         out += ["## Target cost T(M)", "",
                 "A cached target forward over M new tokens: calibrated at load (`metasd calibrate`), and as refined "
-                "online from the run's rounds (these include the acceptance rule).", ""]
-        out += _table(["M", *map(str, range(1, len(cal) + 1))],
-                      [["calibrated ms", *(_fmt(t, 1) for t in cal)], ["T(M)/T(1)", *(_fmt(t / cal[0]) for t in cal)],
-                       ["end of run ms", *(_fmt(t, 1) for t in end)], ["T(M)/T(1)", *(_fmt(t / end[0]) for t in end)]])
+                "online from the run's rounds (these include the acceptance rule); the linear kernel calibration chose "
+                "for each M (`linear_kernels.py`: `linear` is torch's own).", ""]
+        rows = [["calibrated ms", *(_fmt(t, 1) for t in cal)], ["T(M)/T(1)", *(_fmt(t / cal[0]) for t in cal)],
+                ["end of run ms", *(_fmt(t, 1) for t in end)], ["T(M)/T(1)", *(_fmt(t / end[0]) for t in end)]]
+        if cost.get("linear_kernels"):
+            rows.append(["kernel", *cost["linear_kernels"][: len(cal)]])
+        out += _table(["M", *map(str, range(1, len(cal) + 1))], rows)
     lengths = summary.get("draft_lengths") or {}
     rows = []
     for method, per_drafter in lengths.items():

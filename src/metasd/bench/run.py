@@ -39,6 +39,7 @@ class BenchConfig:
     seed: int = 0
     device: str = "auto"  # models.resolve_device: auto = CUDA when available
     threads: int | None = None  # torch threads; None = torch's default
+    kernels: str = "auto"  # the target's linear layers (Decoder option): auto = calibrated per M; torch = F.linear
     policy_scope: str = "request"  # "server": each policy keeps learning across questions (engine option)
     warmup: bool = True
     progress: bool = True
@@ -86,6 +87,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from tqdm.auto import tqdm
 
     from ..engine import Decoder
+    from ..linear_kernels import installed
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -93,7 +95,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     loadavg_start = _loadavg()
     started = time.perf_counter()
     decoder = Decoder(target=cfg.target, drafters=specs, policy="none", draft_len=cfg.draft_len, dtype=cfg.dtype,
-                      device=cfg.device, seed=cfg.seed, policy_scope=cfg.policy_scope)
+                      device=cfg.device, seed=cfg.seed, policy_scope=cfg.policy_scope, kernels=cfg.kernels)
     names = decoder.drafter_names
     methods = resolve_methods(cfg.methods, names, aliases=dict(zip(specs, names, strict=True)))
     pool = [decoder.drafters[n] for n in names]
@@ -131,7 +133,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         runner(method)(decoder.encode(WARMUP_PROMPT), 0)
         bar.update()
     warmed = time.perf_counter()
-    need_tables = any(uses_drafters(m) for m in methods)
+    # the hindsight tables (every drafter drafting at every position of the reference) feed oracle-round and the
+    # regret against it; on a large target they take longer than the methods themselves, so only when asked for
+    need_tables = "oracle-round" in methods and any(uses_drafters(m) for m in methods)
     others = [m for m in timed if m != "ar"]
 
     results: dict[str, dict[int, QuestionRecord]] = {m: {} for m in timed}
@@ -171,6 +175,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "drafters": names,
         "draft_len": k,
         "dtype": cfg.dtype,
+        "kernels": cfg.kernels,
         "device": str(decoder.target.device),
         "max_new_tokens": max_new,
         "questions_file": str(cfg.questions),
@@ -198,7 +203,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     if decoder._costs is not None:  # the T(M) the adaptive policy decided with: calibrated, and after the run
         target_cost = decoder._costs.target
         config["target_cost_ms"] = {"calibrated": [round(t * 1e3, 3) for t in target_cost.calibrated],
-                                    "end_of_run": [round(t * 1e3, 3) for t in target_cost.table()]}
+                                    "end_of_run": [round(t * 1e3, 3) for t in target_cost.table()],
+                                    "linear_kernels": installed(decoder.target.model)}
     summary = summarize(results, questions, methods, names, tables, paths, config)
     return write_outputs(cfg, summary, results, questions, timed, names, tables, started)
 
