@@ -39,25 +39,17 @@ def _weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
-class _Routing:
-    """The per-row-count choice shared by every routed layer of one model; `install` updates it in place."""
-
-    def __init__(self, choice: Sequence[str]):
-        self.weight_major = [kernel == "weight-major" for kernel in choice]
-
-
 class RoutedLinear(torch.nn.Linear):
     """A `nn.Linear` (same parameters, same state dict) whose forward takes the kernel chosen for its row count.
 
     `install` swaps the class of existing layers rather than wrapping them, so a copied or pickled model keeps
     working: a closure stored on the layer would keep pointing at the original's weights after a deepcopy."""
 
-    routing: _Routing
+    weight_major: list[bool]  # [M - 1]: whether M rows go weight-major; one list shared by a model's layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        choice = self.routing.weight_major
-        if 1 <= rows <= len(choice) and choice[rows - 1]:
+        if 1 <= rows <= len(self.weight_major) and self.weight_major[rows - 1]:
             return _weight_major(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -69,11 +61,11 @@ def install(model: torch.nn.Module, choice: Sequence[str]) -> None:
     unknown = set(choice) - set(KERNELS)
     if unknown:
         raise ValueError(f"unknown linear kernels {sorted(unknown)}; choose from {KERNELS}")
-    routing = _Routing(choice)
+    weight_major = [kernel == "weight-major" for kernel in choice]
     for layer in model.modules():
         if type(layer) in (torch.nn.Linear, RoutedLinear):
             layer.__class__ = RoutedLinear
-            layer.routing = routing
+            layer.weight_major = weight_major
 
 
 def installed(model: torch.nn.Module) -> list[str] | None:
@@ -81,4 +73,4 @@ def installed(model: torch.nn.Module) -> list[str] | None:
     layer = next((m for m in model.modules() if isinstance(m, RoutedLinear)), None)
     if layer is None:
         return None
-    return [KERNELS[1] if w else KERNELS[0] for w in layer.routing.weight_major]
+    return [KERNELS[1] if w else KERNELS[0] for w in layer.weight_major]
