@@ -43,6 +43,11 @@ def test_tiny_distillation_loads_as_lm_and_stays_lossless(embedded, tmp_path):
                     save_every=1, progress=False)
     assert again["steps"] == 4 and again["seconds"]["generate"] < 5
     assert (out / "distill-data" / "outputs.jsonl").read_text().splitlines() == answers
+    # a rerun with nothing left to train only evaluates, and still reports the training's loss and time
+    evaluated = distill(None, str(prompts), out, layers=2, steps=4, batch_tokens=128, max_new_tokens=8,
+                        holdout=0.25, progress=False)
+    assert evaluated["seconds"]["train_this_run"] < 1 and evaluated["final_loss"] == again["final_loss"] is not None
+    assert evaluated["seconds"]["train_all_runs"] == again["seconds"]["train_all_runs"] > 0
     with pytest.raises(ValueError, match="layers"):
         distill(None, str(prompts), out, layers=3, steps=5, max_new_tokens=8, progress=False)
 

@@ -8,12 +8,12 @@ import os
 import sys
 from collections.abc import Iterator
 
-from .drafters import DRAFTER_KINDS
+from .drafters import DEFAULT_POOL, DRAFTER_KINDS
 from .policies import POLICY_NAMES
 
 DEFAULT_POLICY = "metasd-adaptive"  # = metasd.engine.DEFAULT_POLICY (not imported here: the CLI starts before torch)
 
-DEFAULT_DRAFTERS = "ngram,suffix,early-exit"
+DEFAULT_DRAFTERS = ",".join(DEFAULT_POOL)
 
 
 def add_decoder_args(parser: argparse.ArgumentParser) -> None:

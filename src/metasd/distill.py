@@ -307,9 +307,14 @@ def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers:
         meta["before"] = acceptance(drafter, held, draft_len, pad)
     batches = _batches(train, batch_tokens)
     train_started = time.perf_counter()
+    trained_before = meta.get("train_seconds", 0.0)
     losses: list[float] = []
 
     def save_checkpoint() -> None:
+        # the loss and training time travel with the checkpoint, so that a rerun that only evaluates (--eval-on on
+        # a finished run) still reports them
+        meta["final_loss"] = round(sum(losses[-20:]) / len(losses[-20:]), 4)
+        meta["train_seconds"] = round(trained_before + time.perf_counter() - train_started, 1)
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save({"step": step, "layers": layers, "trainable": {n: p.detach() for n, p in params.items()},
                     "optimizer": optimizer.state_dict(), "meta": meta}, tmp)
@@ -360,8 +365,9 @@ def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers:
         "heldout_answers": len(held), "draft_len": draft_len,
         "acceptance_before": meta.get("before"), "acceptance_after": meta.get("after"),
         "acceptance_elsewhere": cross,
-        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4) if losses else None,
+        "final_loss": meta.get("final_loss"),
         "seconds": {"generate": round(generate_s, 1), "train_this_run": round(train_s, 1),
+                    "train_all_runs": meta.get("train_seconds"),
                     "total_this_run": round(time.perf_counter() - started, 1)},
     }
     (out / "distill.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

@@ -18,7 +18,7 @@ from .adaptive import DEFAULTS as ADAPTIVE_DEFAULTS
 from .adaptive import AdaptivePolicy
 from .cached_model import CachedModel
 from .costs import CostModel, TargetCost, load_or_calibrate
-from .drafters import Draft, Drafter, build_drafter, parse_drafters
+from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, parse_drafters
 from .drafters.base import StoppableDrafter
 from .linear_kernels import KERNEL_MODES
 from .models import LoadedModel, load_model
@@ -48,7 +48,7 @@ class Decoder:
     def __init__(
         self,
         target: str | None = None,
-        drafters: str | Sequence[str | Drafter] = ("ngram", "suffix", "early-exit"),
+        drafters: str | Sequence[str | Drafter] = DEFAULT_POOL,
         policy: str = DEFAULT_POLICY,
         draft_len: int = 5,
         dtype: str = "float32",

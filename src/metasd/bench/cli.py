@@ -6,10 +6,11 @@ import argparse
 import shlex
 import sys
 
+from ..drafters import DEFAULT_POOL
 from .presets import DRIFT, PRESETS, QUICK
 
 DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"
-DEFAULT_DRAFTERS = "ngram,suffix,early-exit"
+DEFAULT_DRAFTERS = ",".join(DEFAULT_POOL)
 
 
 def _list(text: str) -> list[str]:

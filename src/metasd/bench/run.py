@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..drafters import DEFAULT_POOL
 from .history import DrafterHistory
 from .methods import DERIVED, file_stem, lm_drafters, longest_draft, resolve_methods, uses_drafters
 from .oracles import turn_oracle
@@ -32,7 +33,7 @@ class BenchConfig:
     per_category: int | None = None  # None = every question
     max_new_tokens: int = 128
     methods: list[str] | None = None  # None = every method that applies to the pool
-    drafters: str | list[str] = "ngram,suffix,early-exit"
+    drafters: str | list[str] = ",".join(DEFAULT_POOL)
     target: str | None = None
     draft_len: int = 5
     dtype: str = "float32"

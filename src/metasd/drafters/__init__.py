@@ -11,8 +11,10 @@ from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
 DRAFTER_KINDS = ("ngram[:MAX_N]", "suffix[:DEPTH]", "early-exit[:LAYERS]", "lm:MODEL", "datastore:PATH")
+# The pool of `generate`, `serve`, `bench` and `Decoder` when none is given (chosen from the quick bench: README).
+DEFAULT_POOL = ("ngram", "suffix")
 
-__all__ = ["DRAFTER_KINDS", "Draft", "Drafter", "build_drafter", "parse_drafters"]
+__all__ = ["DEFAULT_POOL", "DRAFTER_KINDS", "Draft", "Drafter", "build_drafter", "parse_drafters"]
 
 
 def _int_arg(spec: str, arg: str) -> int:
