@@ -144,6 +144,9 @@ def test_summarize_drift_report_and_plot_on_synthetic_records(tmp_path: Path) ->
     path = tmp_path / "picks.png"
     assert drafter_picks(results, summary, ["ngram", "suffix"], path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a pool as large as the specialists preset's (10 drafters) once overran the plot's 8 colours
+    many = ["ngram", "suffix", *(f"datastore:d{i}" for i in range(10))]
+    assert drafter_picks(results, summary, many, tmp_path / "many.png")
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from matplotlib.colors import ListedColormap, TwoSlopeNorm
+from matplotlib import colormaps
+from matplotlib.colors import ListedColormap, TwoSlopeNorm, to_hex
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -14,7 +15,13 @@ from .oracles import AcceptanceTable, regret
 from .runners import QuestionRecord
 
 STYLES = ["-", "--", "-.", ":"]  # lines often coincide (same picks): dashes keep each one visible
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+# matplotlib's tab20, its ten dark shades first: 20 distinct colours, enough for the specialists pool (10 drafters)
+# and more; past 20 they repeat rather than fail
+PALETTE = [to_hex(c) for c in (*colormaps["tab20"].colors[::2], *colormaps["tab20"].colors[1::2])]
+
+
+def color(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
 
 
 def speedup_heatmap(summary: dict, path: Path) -> None:
@@ -59,7 +66,7 @@ def drafter_picks(results, summary: dict, drafters: list[str], path: Path) -> bo
     methods = _pickers(summary)
     if not cases or not methods:
         return False
-    colors = ListedColormap(["#dddddd", *PALETTE[: len(drafters)]])
+    colors = ListedColormap(["#dddddd", *(color(i) for i in range(len(drafters)))])
     fig = Figure(figsize=(11, 1.2 + 0.32 * len(methods) * len(cases) + 0.6 * len(cases)), layout="constrained")
     axes = fig.subplots(len(cases), 1, squeeze=False)[:, 0]
     for ax, (qid, group) in zip(axes, cases, strict=False):
@@ -80,7 +87,7 @@ def drafter_picks(results, summary: dict, drafters: list[str], path: Path) -> bo
             title += f"; black bars: the round holding output token {boundary}, where the task changes"
         ax.set_title(title, fontsize=9, loc="left")
         ax.set_xlabel("round")
-    handles = [Patch(color=PALETTE[i], label=label(d)) for i, d in enumerate(drafters)]
+    handles = [Patch(color=color(i), label=label(d)) for i, d in enumerate(drafters)]
     handles.append(Patch(color="#dddddd", label="no draft (a plain target step)"))
     fig.legend(handles=handles, loc="outside upper center", ncol=min(len(handles), 5), fontsize=8)
     fig.savefig(path, dpi=110)
@@ -117,7 +124,7 @@ def cumulative_regret(results, summary: dict, drafters: list[str], tables: dict[
         for i, m in enumerate(methods):
             rounds = results[m][qid].turns[0].rounds or []
             curve = regret(tables[qid][0], rounds, drafters).cumulative
-            ax.plot(range(1, len(curve) + 1), curve, label=label(m), color=PALETTE[i % len(PALETTE)],
+            ax.plot(range(1, len(curve) + 1), curve, label=label(m), color=color(i),
                     linestyle=STYLES[i % len(STYLES)], linewidth=1.6)
         ax.set_title(f"question {qid} ({group}), turn 1", fontsize=9)
         ax.set_xlabel("round")

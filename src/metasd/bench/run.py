@@ -230,6 +230,8 @@ def write_outputs(cfg: BenchConfig, summary: dict, results: dict, questions: lis
         from .drift import add_drift
 
         add_drift(cfg, summary, results, out)
+    summary_path = out / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")  # what a failing plot cannot lose
     plots: list[str] = []
     if cfg.plots:
         from .plots import write_plots
@@ -238,7 +240,7 @@ def write_outputs(cfg: BenchConfig, summary: dict, results: dict, questions: lis
     summary["plots"] = plots
     summary["config"]["wall_time_s"] = round(time.perf_counter() - started, 1)
     summary["config"]["loadavg_end"] = _loadavg()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     from .report import render
 
     (out / "report.md").write_text(render(summary, plots), encoding="utf-8")
