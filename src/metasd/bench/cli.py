@@ -6,11 +6,10 @@ import argparse
 import shlex
 import sys
 
-from ..drafters import DEFAULT_POOL
+from ..cli import DEFAULT_DRAFTERS
 from .presets import DRIFT, PRESETS, QUICK
 
 DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"
-DEFAULT_DRAFTERS = ",".join(DEFAULT_POOL)
 
 
 def _list(text: str) -> list[str]:
