@@ -11,7 +11,7 @@ import torch
 from metasd import Decoder, Draft
 from metasd.acceptance import AcceptanceModel, expected_tokens
 from metasd.adaptive import AdaptivePolicy, parse_params
-from metasd.costs import CostModel, TargetCost, cache_file, calibration_key, load_or_calibrate
+from metasd.costs import CostModel, DrafterCost, TargetCost, cache_file, calibration_key, load_or_calibrate
 from metasd.hindsight import Hindsight
 from metasd.linear_kernels import KERNELS, install, installed
 from metasd.policies import build_policy, canonical_policy
@@ -65,9 +65,30 @@ def test_model_drafter_pays_for_drafting_and_catch_up():
     policy.costs.drafter("d0").step.add(0.0005)  # cheap drafter
     policy.costs.drafter("d1").step.add(0.0100)  # as slow as the target
     assert policy.choose(6, {}, [0, 0])[0] == 0
-    policy.costs.drafter("d0").catch_up.add(0.002)
+    policy.costs.drafter("d0").catch_up.add(500, 1.0)
     arm, _ = policy.choose(6, {}, [500, 0])  # d0 missed 500 tokens: a 1 s catch-up
     assert arm != 0
+
+
+def test_a_fresh_drafters_prompt_is_an_investment_in_the_rest_of_the_request():
+    """A model drafter that has not drafted in this request must prefill the prompt first: worth it for a long
+    answer, not for a few tokens."""
+    policy = policy_with([0.010] * 13, accept=0.9, n_arms=1, free=(False,))
+    policy.costs.drafter("d0").step.add(0.001)
+    policy.costs.drafter("d0").catch_up.add(700, 0.300)  # thirty target steps
+    assert policy.choose(6, {}, [700], remaining=16, fresh=[True]) == (None, 0)
+    assert policy.choose(6, {}, [700], remaining=2000, fresh=[True])[0] == 0
+    assert policy.choose(6, {}, [700], remaining=2000, fresh=[False]) == (None, 0)  # a real catch-up: paid now
+
+
+def test_catch_up_time_is_a_line_through_small_and_large_intakes():
+    cost = DrafterCost()
+    assert cost.catch_up_time(10, 0.1) == pytest.approx(0.01)  # unmeasured: a guess of 1 % of a step per token
+    for n, seconds in ((3, 0.021), (6, 0.024), (700, 0.72)):
+        cost.catch_up.add(n, seconds)
+    assert cost.catch_up_time(4, 0.1) == pytest.approx(0.022, abs=0.005)  # mostly the forward's fixed cost
+    assert cost.catch_up_time(1400, 0.1) == pytest.approx(1.42, rel=0.05)  # per token for a prompt
+    assert cost.catch_up_time(0, 0.1) == 0.0
 
 
 def test_optimism_tries_an_unknown_model_drafter():
@@ -88,11 +109,41 @@ def test_optimism_tries_an_unknown_model_drafter():
 def test_stop_rule_ends_a_draft_whose_tokens_are_unlikely():
     policy = policy_with([0.010 + 0.004 * m for m in range(13)], accept=0.9, free=(False, False))
     policy.acceptance.accepted[0, :2] = 0  # low-confidence tokens are never accepted
+    policy.costs.drafter("d0").step.add(0.0005)
     policy.choose(6, {}, [0, 0])
     stop = policy.stop_rule(0, 6)
     sure, unsure = torch.tensor([0.95, 0.05]), torch.tensor([0.2] * 5)
-    assert stop(0, sure) is False and stop(1, sure) is False
-    assert stop(2, unsure) is True
+    assert stop.before(0, sure) is False and stop.before(1, sure) is False
+    assert stop.before(2, unsure) is True
+
+
+def test_stop_rule_weighs_the_next_forward_against_what_it_may_earn():
+    """After a token is drawn the rule asks whether another drafter forward pays: yes for a cheap drafter that is
+    usually right, no once the chance that the whole draft survives has fallen below what a forward costs."""
+    sure = torch.tensor([0.95, 0.05])
+    table = [0.010] * 13
+    cheap = policy_with(table, accept=0.9, free=(False, False))
+    cheap.costs.drafter("d0").step.add(0.0005)
+    cheap.choose(12, {}, [0, 0])
+    stop = cheap.stop_rule(0, 12)
+    assert not any(stop.before(j, sure) or stop.after(j, sure, 0) for j in range(8))
+    dear = policy_with(table, accept=0.5, free=(False, False))
+    dear.costs.drafter("d0").step.add(0.004)  # 40 % of a target step per token
+    dear.costs.drafter("d1").step.add(0.050)
+    assert dear.choose(12, {}, [0, 0])[0] == 0
+    stop = dear.stop_rule(0, 12)
+    ends = next(j for j in range(12) if stop.before(j, sure) or stop.after(j, sure, 0))
+    assert 0 <= ends <= 3
+
+
+def test_a_stoppable_model_drafter_is_sent_for_the_explored_length():
+    policy = policy_with([0.010] * 13, accept=0.7, free=(False, False))
+    policy.costs.drafter("d0").step.add(0.003)
+    policy.costs.drafter("d1").step.add(0.050)
+    arm, planned = policy.choose(12, {}, [0, 0])
+    assert arm == 0 and planned < 12  # the plan alone would stop early
+    policy.stoppable = [True, True]
+    assert policy.choose(12, {}, [0, 0]) == (0, 12)  # the stop rule decides where it ends
 
 
 def test_acceptance_model_learns_per_signal_and_position_and_starts_from_history():
@@ -260,3 +311,9 @@ def test_prefills_are_not_taken_for_forward_costs(embedded):
     step = costs.drafter("early-exit:4").step
     assert step.n == sum(r.drafter is not None for r in result.stats.rounds) - 1
     assert step.value < 10 * costs.target(1)  # per drafted token: four layers, not a prompt's prefill
+    # once a step is known, the next request's first draft measures what taking in a prompt costs
+    assert not costs.drafter("early-exit:4").catch_up.measured
+    again = decoder.generate(prompt, max_new_tokens=4)
+    assert again.stats.rounds[0].catch_up == 0  # the prompt is not counted as missed tokens
+    intake = costs.drafter("early-exit:4").catch_up
+    assert intake.measured and intake(400) > intake(4)

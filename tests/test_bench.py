@@ -11,6 +11,7 @@ import pytest
 
 from metasd.bench import metrics
 from metasd.bench.answers import answer_line
+from metasd.bench.cli import _list
 from metasd.bench.history import DrafterHistory
 from metasd.bench.methods import POLICIES, default_methods, file_stem, label, resolve_methods
 from metasd.bench.oracles import AcceptanceTable, acceptance_table, oracle_path, oracle_plan, regret
@@ -269,6 +270,11 @@ def test_resolve_methods() -> None:
     with pytest.raises(ValueError, match="at least one drafter"):
         resolve_methods(None, [])
     assert label("fixed:lm:/a/b/qwen-0.5b.gguf") == "fixed:lm:qwen-0.5b"
+    # --methods: a method with several parameters keeps its commas
+    assert _list("ar, metasd-adaptive:prior=5,beta=0.1,fixed:ngram,") == [
+        "ar", "metasd-adaptive:prior=5,beta=0.1", "fixed:ngram"]
+    assert resolve_methods(_list("metasd-adaptive:prior=5,beta=0.1"), pool) == [
+        "ar", "metasd-adaptive:prior=5,beta=0.1"]
     assert file_stem("fixed:lm:/a/b/qwen-0.5b.gguf") == "fixed-lm-qwen-0.5b"
 
 
@@ -418,3 +424,36 @@ def test_specialists_preset_pools_every_datastore_the_ofa_and_distilled_drafters
     (tmp_path / "math" / "header.json").unlink()
     with pytest.raises(ValueError, match="math"):
         preset("specialists", tmp_path)
+
+
+def test_repeats_start_from_one_state_and_keep_the_fastest(embedded) -> None:
+    """--repeat: passes over a question's methods, each pass from what the policies knew before the first (a
+    repeat must not learn from the question it is measured on); each method keeps its fastest run, and the
+    reference is handed over once, after its first run."""
+    from metasd import Decoder
+    from metasd.bench.runners import engine_turn, measure_question
+
+    decoder = Decoder(drafters="ngram,suffix")
+    question = Question(1, "qa", ("Name three colours of the rainbow.",))
+    decoder.generate("Count from one to five.", max_new_tokens=6)  # the policy exists and has learned something
+    (policy,) = [p for p in decoder._policies.values() if p is not None]
+    seen, walls, runs, references = [], {"ar": [], "metasd-adaptive": []}, [], []
+
+    def runner(method):
+        inner = engine_turn(decoder, "none" if method == "ar" else method, 8, 0)
+
+        def turn(ids, index):
+            if method != "ar":
+                seen.append(policy.acceptance.history_tried.sum())
+            record = inner(ids, index)
+            walls[method].append(record.wall_time)
+            return record
+
+        return turn
+
+    best = measure_question(decoder, question, ["ar", "metasd-adaptive"], runner, 3, lambda: None,
+                            references.append, runs.append)
+    assert runs == ["ar", "metasd-adaptive"] * 3 and len(references) == 1
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2]
+    assert policy.acceptance.history_tried.sum() > seen[0]  # the last pass's learning is kept
+    assert {m: r.wall_time for m, r in best.items()} == {m: min(w) for m, w in walls.items()}

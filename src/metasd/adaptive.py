@@ -14,14 +14,21 @@ step at rate 1 / (T(1) + overhead), is always an option, so a pool that cannot p
   evidence accumulates (the MetaSD bandit layer: a drafter is tried while it might be best). The plan reaches only
   one position past those already seen tried (`AcceptanceModel.explored_length`): optimism on an unknown drafter
   buys a 1-token try, then 2, ..., not 12 tokens at a guessed rate (measured on the Qwen pair: untried drafters sent
-  7-12 tokens at 3x the cost of a plain step and lost most of them). While drafting, a stop
-  rule ends the draft before token j when its q_j (seen before the token is drawn) says the expected extra tokens
-  are worth less than the verification time they add at the planned rate (HF's confidence threshold and
-  SpecDec++, with the threshold derived from the measured costs instead of fixed).
+  7-12 tokens at 3x the cost of a plain step and lost most of them). The plan only decides
+  *whether* the drafter drafts: a drafter that takes a stop rule is sent out for that explored length and a stop
+  rule ends its draft token by token, before token j when q_j says it is not worth verifying, and after it when
+  the tokens still to come are worth less than the drafter forwards and verification they would add at the
+  planned rate (HF's confidence threshold and SpecDec++, with the threshold derived from the measured costs
+  instead of fixed). Measured on the Qwen pair (bfloat16): planning k from position means alone held the 0.5B
+  drafter at k = 2 in 56 of its 59 rounds, while at a fixed k = 5 it averaged 3.11 tokens a round.
 
-Parameters (`metasd-adaptive[:beta=B,prior=W,gamma=G,max=K]`): beta (0.3) scales the optimism bonus; prior (20)
-caps the observations per cell carried from earlier requests (0 = the paper's per-query reset); gamma (1) forgets
-within a request; max (12) is the longest draft considered.
+Parameters (`metasd-adaptive[:beta=B,prior=W,gamma=G,max=K]`): beta (0.3) scales the optimism bonus; prior (0)
+caps the observations per cell carried from earlier requests; gamma (1) forgets within a request; max (12) is the
+longest draft considered. What carries across requests by default is the machine's cost model, not acceptance:
+Spec-Bench's groups differ so much (at k = 5 the 0.5B Qwen drafter gets 4.3 tokens a round accepted on math and 1.25
+on translation) that a history prior kept a request on the last request's drafter. Side by side, prior 0 against 20:
+1.11 vs 1.09x `ar` on the embedded quick bench, 1.25 / 1.18 / 1.20 vs 1.21 / 1.14 / 1.17x in three runs on the
+Qwen pair (README, Speed).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from .drafters.base import Draft, StopRule
 from .hindsight import Hindsight
 from .outcome import RoundOutcome
 
-DEFAULTS = {"beta": 0.3, "prior": 20.0, "gamma": 1.0, "max": 12}
+DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12}
 _BOUNDS = {"beta": (0.0, 10.0), "prior": (0.0, 1e6), "gamma": (0.5, 1.0), "max": (1, 64)}
 
 
@@ -74,7 +81,7 @@ class AdaptivePolicy:
     full_information = True
     wants_proposals = True
 
-    def __init__(self, n_arms: int, beta: float = 0.3, prior: float = 20.0, gamma: float = 1.0, max: int = 12):
+    def __init__(self, n_arms: int, beta: float = 0.3, prior: float = 0.0, gamma: float = 1.0, max: int = 12):
         if n_arms < 1:
             raise ValueError("a policy needs at least one drafter")
         self.n_arms = n_arms
@@ -84,17 +91,22 @@ class AdaptivePolicy:
         self.costs: CostModel | None = None
         self.names: list[str] = []
         self.free: list[bool] = []
+        self.stoppable: list[bool] = []
         self.hindsight = Hindsight()
         self.pulls = [0] * n_arms
         self.mean_rewards = [0.0] * n_arms
         self.rounds = 0
         self._plan_rate = 0.0
 
-    def attach(self, costs: CostModel, names: Sequence[str], free: Sequence[bool]) -> None:
-        """The engine hands over the machine's cost model and which drafters propose for free."""
-        if len(names) != self.n_arms or len(free) != self.n_arms:
-            raise ValueError("attach() needs one name and one free flag per drafter")
-        self.costs, self.names, self.free = costs, list(names), list(free)
+    def attach(self, costs: CostModel, names: Sequence[str], free: Sequence[bool],
+               stoppable: Sequence[bool] | None = None) -> None:
+        """The engine hands over the machine's cost model, which drafters propose for free, and which model
+        drafters take a stop rule (`StoppableDrafter`: they are sent out for the explored length and end their
+        draft where it stops paying; the others draft the planned length)."""
+        stoppable = [False] * self.n_arms if stoppable is None else list(stoppable)
+        if not len(names) == len(free) == len(stoppable) == self.n_arms:
+            raise ValueError("attach() needs one name, one free flag and one stoppable flag per drafter")
+        self.costs, self.names, self.free, self.stoppable = costs, list(names), list(free), stoppable
 
     def reset(self) -> None:
         self.acceptance.reset()
@@ -108,7 +120,8 @@ class AdaptivePolicy:
     def _bonus(self, arm: int) -> float:
         return self.beta * math.sqrt(2.0 * math.log(self.rounds + 2) / (1.0 + self.acceptance.evidence(arm)))
 
-    def choose(self, k_max: int, proposals: Mapping[int, Draft], lags: Sequence[int]) -> tuple[int | None, int]:
+    def choose(self, k_max: int, proposals: Mapping[int, Draft], lags: Sequence[int], *, remaining: int | None = None,
+               fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
         costs = self._costs()
         if costs.target.plain_step_due():  # keep T(1) measured: every other estimate is scaled by it
             self._plan_rate = 0.0
@@ -128,41 +141,23 @@ class AdaptivePolicy:
                 m = self.acceptance.explored_length(arm, k_max)
                 rates = np.minimum(self.acceptance.plan_rates(arm, m) + self._bonus(arm), 1.0)
                 gain = expected_tokens(rates)
-                cost = np.array([costs.drafter(self.names[arm]).estimate(k, lags[arm], t[0]) for k in range(m + 1)])
-                rate = gain / (t[: m + 1] + cost)
+                price = costs.drafter(self.names[arm])
+                catch_up = price.catch_up_time(lags[arm], t[0])
+                if fresh is not None and fresh[arm] and remaining:
+                    # its first draft prefills the prompt (0.9 s for 709 tokens on the Qwen pair, seven target
+                    # steps): an investment in every later round, charged in proportion to the share of the
+                    # request's remaining tokens this round yields, so a long prompt and a short answer rule it out
+                    catch_up = catch_up * np.minimum(1.0, gain / remaining)
+                rate = gain / (t[: m + 1] + np.arange(m + 1) * price.step_time(t[0]) + catch_up)
             k = int(np.argmax(rate[1:])) + 1
-            if rate[k] > best[0]:
-                best = (float(rate[k]), arm, k)
+            if rate[k] > best[0]:  # a drafter that stops itself gets the explored length and ends where it pays
+                best = (float(rate[k]), arm, m if self.stoppable[arm] else k)
         self._plan_rate = best[0]
         return best[1], best[2]
 
     def stop_rule(self, arm: int, k: int) -> StopRule | None:
-        """For a model drafter: before drawing token j, stop unless tokens j.. are worth their verification time at
-        the planned rate (the rate this round was chosen for: what the time could earn elsewhere)."""
-        if self.free[arm]:
-            return None
-        costs = self._costs()
-        step = costs.drafter(self.names[arm]).estimate(1, 0, costs.target(1))
-        bonus = self._bonus(arm)
-        later = np.minimum(self.acceptance.plan_rates(arm, k) + bonus, 1.0)
-        state = {"reach": 1.0}  # probability that every token drafted so far is accepted
-
-        def stop(j: int, q) -> bool:
-            if j == 0:  # the plan paid for this token's forward already; sending it is also how the drafter is learned
-                state["reach"] = min(self.acceptance.rate_at(arm, float(q.max()), 0) + bonus, 1.0)
-                return False
-            # optimistic like the plan, or a drafter planned on its bonus is stopped before it can be learned from
-            a_j = min(self.acceptance.rate_at(arm, float(q.max()), j) + bonus, 1.0)
-            reach = state["reach"] * a_j * np.concatenate([[1.0], np.cumprod(later[j + 1 : k])])
-            gains = np.cumsum(reach)  # extra tokens from sending j..j+i
-            ends = np.arange(j + 1, k + 1)  # tokens sent
-            times = np.array([costs.target(e + 1) for e in ends]) - costs.target(j + 1) + step * (ends - j - 1)
-            if np.max(gains - self._plan_rate * times) <= 0:
-                return True
-            state["reach"] *= a_j
-            return False
-
-        return stop
+        """For a model drafter: the rule that ends its draft once more tokens are worth less than their time."""
+        return None if self.free[arm] else _DraftStop(self, arm, k)
 
     # --- learning --------------------------------------------------------------------------------------------------
 
@@ -195,3 +190,44 @@ class AdaptivePolicy:
         if self.costs is None:
             raise RuntimeError("metasd-adaptive needs the engine's cost model: call attach() first")
         return self.costs
+
+
+class _DraftStop:
+    """A model drafter's draft, token by token: go on while the tokens still to come are worth their time at the
+    planned rate (the rate this round was chosen for: what the time could earn elsewhere).
+
+    Token j is worth its acceptance chance given everything before it was accepted (from q_j's confidence once
+    known, the position mean before); the time of going on is the drafter forwards not yet paid for plus the
+    extra verification. Both are optimistic like the plan, or a drafter planned on its bonus would be stopped
+    before it could be learned from.
+    """
+
+    def __init__(self, policy: AdaptivePolicy, arm: int, k: int):
+        costs = policy._costs()
+        self.acceptance, self.arm, self.rate = policy.acceptance, arm, policy._plan_rate
+        self.bonus = policy._bonus(arm)
+        self.later = np.minimum(self.acceptance.plan_rates(arm, k) + self.bonus, 1.0)
+        self.step = costs.drafter(policy.names[arm]).step_time(costs.target(1))
+        self.verify = np.array([costs.target(m) for m in range(1, k + 2)])  # [n]: verifying n drafted tokens
+        self.reach = 1.0  # probability that every token drafted so far is accepted
+
+    def _worth_going_on(self, sent: int, rates: np.ndarray, first_paid: bool) -> bool:
+        """Is sending some of the next len(rates) tokens (after `sent`) worth more than its time?"""
+        if len(rates) == 0:
+            return False
+        gains = self.reach * np.cumsum(np.cumprod(rates))
+        more = np.arange(1, len(rates) + 1)
+        forwards = more - 1 if first_paid else more
+        times = self.verify[sent + more] - self.verify[sent] + self.step * forwards
+        return bool(np.max(gains - self.rate * times) > 0)
+
+    def before(self, j: int, q) -> bool:
+        a_j = min(self.acceptance.rate_at(self.arm, float(q.max()), j) + self.bonus, 1.0)
+        # token 0: the plan paid for its forward, and sending it is also how the drafter is learned
+        stop = j > 0 and not self._worth_going_on(j, np.concatenate([[a_j], self.later[j + 1 :]]), True)
+        if not stop:
+            self.reach *= a_j
+        return stop
+
+    def after(self, j: int, q, token: int) -> bool:
+        return not self._worth_going_on(j + 1, self.later[j + 1 :], False)

@@ -7,6 +7,7 @@ else (prompt handling, request options, statistics) is bookkeeping around it.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -157,6 +158,20 @@ class Decoder:
                 self._costs.target = TargetCost(table)
         return self._costs
 
+    def snapshot_policies(self) -> dict:
+        """What the kept policies have learned, to `restore_policies` later (the benchmark measures a question
+        several times from one state). The machine's cost model is not part of it: it stays shared and live."""
+        return {key: copy.deepcopy({k: v for k, v in vars(p).items() if k != "costs"})
+                for key, p in self._policies.items() if p is not None}
+
+    def restore_policies(self, snapshot: dict) -> None:
+        """Back to a `snapshot_policies` state: policies made since are dropped (the next request makes them anew)."""
+        for key in [key for key in self._policies if key not in snapshot]:
+            del self._policies[key]
+        for key, state in snapshot.items():
+            if key in self._policies:
+                vars(self._policies[key]).update(copy.deepcopy(state))
+
     def _policy(self, name: str, names: list[str]) -> Policy | None:
         """Request scope: a fresh bandit each request (metasd-adaptive is kept: its reset() starts a request from
         what earlier ones learned). Server scope: one policy per (policy, pool) that keeps learning."""
@@ -167,7 +182,9 @@ class Decoder:
         policy = build_policy(name, names, self.seed)
         if isinstance(policy, AdaptivePolicy):
             costs = self.cost_model(policy.max_draft + 1)
-            policy.attach(costs, names, [not self.drafters[n].has_cache for n in names])
+            pool = [self.drafters[n] for n in names]
+            policy.attach(costs, names, [not d.has_cache for d in pool],
+                          [d.has_cache and isinstance(d, StoppableDrafter) for d in pool])
         if self.policy_scope == "server" or isinstance(policy, AdaptivePolicy):
             self._policies[key] = policy
             while len(self._policies) > _POLICY_CACHE:
@@ -217,7 +234,7 @@ class Generation:
             drafter.begin(self.prompt)
         if self.policy is not None and dec.policy_scope == "request":
             self.policy.reset()
-        synced = {d.name: len(context) for d in self.pool}  # context length each drafter has seen
+        synced = {d.name: 0 for d in self.pool}  # context length each model drafter's cache has seen
         start = time.perf_counter()
         try:
             while len(self.token_ids) < self.max_new_tokens and self.finish_reason != "stop":
@@ -235,10 +252,14 @@ class Generation:
         """Choose, draft, verify, learn: extends context by the tokens this round adds, and returns them."""
         dec, params, policy = self.decoder, self.params, self.policy
         t0 = time.perf_counter()
-        k = min(self.max_draft, self.max_new_tokens - len(self.token_ids) - 1)
+        remaining = self.max_new_tokens - len(self.token_ids)
+        k = min(self.max_draft, remaining - 1)
+        # tokens each model drafter must take in before drafting: the prompt on its first draft, then what it missed
         lags = [len(context) - synced[d.name] if d.has_cache else 0 for d in self.pool]
+        fresh = [d.has_cache and d.name not in self._drafted for d in self.pool]
         proposals, proposal_times = self._proposals(context, k) if policy and policy.wants_proposals else ({}, {})
-        arm, k = policy.choose(k, proposals, lags) if policy is not None and k > 0 else (None, 0)
+        arm, k = policy.choose(k, proposals, lags, remaining=remaining, fresh=fresh) if policy is not None and k > 0 \
+            else (None, 0)
         t1 = time.perf_counter()
         draft = self._draft(arm, k, context, proposals, generator)
         t2 = time.perf_counter()
@@ -260,8 +281,8 @@ class Generation:
                 arm, k, draft, verdict.accepted, start, context, p, verdict.target_tokens, proposals,
                 proposal_times.get(arm, 0.0) + t2 - t1, t3 - t2, costs.target(1) if costs else 0.0))
         drafter = self.pool[arm] if arm is not None else None
-        catch_up = lags[arm] if arm is not None else 0
-        first_use = drafter is not None and drafter.name not in self._drafted  # its draft included the prompt
+        taken_in = lags[arm] if arm is not None else 0
+        missed = taken_in - len(self.prompt) if arm is not None and fresh[arm] else taken_in  # the prompt is no miss
         if drafter:
             synced[drafter.name] = len(context)
             self._drafted.add(drafter.name)
@@ -269,12 +290,12 @@ class Generation:
         if costs is not None:  # the machine's costs, whatever the policy: every round is a measurement (but prefills)
             if in_sync:
                 costs.target.observe(len(draft.tokens) + 1, t3 - t2)
-            if drafter and arm not in proposals and not first_use:
-                costs.drafter(drafter.name).observe(len(draft.tokens), catch_up, t2 - t1)
+            if drafter and arm not in proposals:
+                costs.drafter(drafter.name).observe(len(draft.tokens), taken_in, t2 - t1)
             costs.overhead.add(max(t4 - t0 - (t3 - t1), 0.0))
         draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)
         self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens),
-                                       min(verdict.accepted, len(new)), score, catch_up, draft_time, t3 - t2,
+                                       min(verdict.accepted, len(new)), score, missed, draft_time, t3 - t2,
                                        (t4 - t0) - draft_time - (t3 - t2), len(new), k))
         return new
 

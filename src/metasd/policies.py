@@ -34,7 +34,11 @@ class Policy(Protocol):
     pulls: list[int]
     mean_rewards: list[float]
 
-    def choose(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int]) -> tuple[int | None, int]: ...
+    def choose(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int], *, remaining: int | None = None,
+               fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
+        """The drafter (None: a plain step) and draft length (<= k) of this round. lags: tokens each drafter must
+        take in before drafting (its prompt when fresh: it has not drafted in this request yet); remaining: the
+        tokens the request may still generate."""
     def stop_rule(self, arm: int, k: int) -> StopRule | None: ...
     def feedback(self, outcome: RoundOutcome) -> float | None: ...
     def finish(self, context: list[int]) -> None: ...  # the request ended with this context
@@ -87,7 +91,8 @@ class _ArmStats:
             self.pulls[arm] = pulls
         self.rounds += delta["rounds"]
 
-    def choose(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int]) -> tuple[int | None, int]:
+    def choose(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int], *, remaining: int | None = None,
+               fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
         return self.select(), k
 
     def select(self) -> int:

@@ -13,7 +13,15 @@ DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"
 
 
 def _list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
+    """Comma-separated names; a `key=value` item continues the one before it, so a method with several
+    parameters (`metasd-adaptive:prior=5,beta=0.1`) stays whole."""
+    items: list[str] = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if items and "=" in item and ":" not in item:
+            items[-1] += "," + item
+        else:
+            items.append(item)
+    return items
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
@@ -65,6 +73,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--models-dir", default=None,
                    help="where the qwen-coder pair lives (default: $METASD_MODELS or ~/.cache/metasd-models), or "
                         "the specialists folder (default: $METASD_SPECIALISTS or ./specialists)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each (question, method), each from the same state; the fastest is kept "
+                        "(default: %(default)s; 3 tames a shared machine's noise on short runs)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up call of each method")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -137,7 +148,7 @@ def bench_command(args: argparse.Namespace) -> None:
     methods = args.methods if args.methods is not None else preset_methods
     cfg = BenchConfig(questions=args.questions, out=args.out, methods=methods, draft_len=args.draft_len,
                       seed=args.seed, device=args.device, threads=args.threads, policy_scope=args.policy_scope,
-                      kernels=args.kernels,
+                      kernels=args.kernels, repeat=args.repeat,
                       warmup=not args.no_warmup,
                       progress=not args.no_progress, plots=not args.no_plots,
                       command=command_line(args), extra=extra, **settings)

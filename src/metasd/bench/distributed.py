@@ -35,7 +35,7 @@ from .methods import DERIVED, lm_drafters, longest_draft, resolve_methods, uses_
 from .oracles import turn_oracle
 from .questions import Question
 from .run import WARMUP_PROMPT, BenchConfig, _loadavg, _select, write_outputs
-from .runners import engine_turn, hf_turn, oracle_turn, run_question
+from .runners import engine_turn, hf_turn, measure_question, oracle_turn
 
 PARTIAL = "partial"
 KILL_ENV = "METASD_TEST_KILL_AFTER"  # test hook: worker 0 exits (os._exit) when given a question after N finished
@@ -147,21 +147,22 @@ class QuestionBench:
             os._exit(1)  # test hook: die with this question in flight
         start = time.perf_counter()
         cfg, decoder = self.cfg, self.decoder
-        records = {}
-        self.history.restore()
-        reference = records["ar"] = run_question(decoder, q, self._runner("ar"))
         tables = paths = None
-        if self.need_tables:
+
+        def oracle_tables(reference) -> None:
+            nonlocal tables, paths
             self.history.restore()
             costs = decoder.cost_model(self.oracle_k + 1)
             hindsight = [turn_oracle(self.pool, t.prompt_ids, t.token_ids, self.oracle_k, cfg.max_new_tokens, costs)
                          for t in reference.turns]
             tables, paths = [h.table for h in hindsight], [h.path for h in hindsight]
             self.choices[q.question_id] = [h.plan for h in hindsight]
+
         shift = index % len(self.others) if self.others else 0
-        for method in self.others[shift:] + self.others[:shift]:
-            self.history.restore()
-            records[method] = run_question(decoder, q, self._runner(method, q.question_id))
+        records = measure_question(decoder, q, ["ar", *self.others[shift:], *self.others[:shift]],
+                                   lambda method: self._runner(method, q.question_id), cfg.repeat,
+                                   self.history.restore, oracle_tables if self.need_tables else None)
+        reference = records["ar"]
         self.advance(reference)
         self.done += 1
         return QuestionResult(index, q, records, tables, paths, self.host, self.worker,
@@ -178,7 +179,7 @@ def _fingerprint(cfg: BenchConfig, questions: list[Question]) -> dict:
     return {"questions_file": str(cfg.questions), "target": cfg.target, "drafters": cfg.drafters,
             "methods": cfg.methods, "max_new_tokens": cfg.max_new_tokens, "draft_len": cfg.draft_len,
             "dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed, "policy_scope": cfg.policy_scope,
-            "drift": getattr(cfg, "drift", False), "kernels": cfg.kernels,
+            "drift": getattr(cfg, "drift", False), "kernels": cfg.kernels, "repeat": cfg.repeat,
             "questions": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}
 
 

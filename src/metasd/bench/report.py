@@ -42,7 +42,8 @@ def render(summary: dict, plots: list[str]) -> str:
             f"- {len(summary['questions'])} questions ({c['turns']} turns) from `{c['questions_file']}`: "
             + ", ".join(f"{g} {sum(q['group'] == g for q in summary['questions'])}" for g in summary["groups"]),
             f"- {c['threads']} torch threads on {c['cpus']} CPUs; torch {c['torch']}, "
-            f"transformers {c['transformers']}; seed {c['seed']}; policy scope {c['policy_scope']}",
+            f"transformers {c['transformers']}; seed {c['seed']}; policy scope {c['policy_scope']}"
+            + (f"; fastest of {c['repeat']} passes per question and method" if c.get("repeat", 1) > 1 else ""),
             f"- run wall time {c['wall_time_s']:.0f} s (model load {c['load_s']:.0f} s, warm-up {c['warmup_s']:.0f} s, "
             f"measured runs and oracle tables {c['measure_s']:.0f} s); load average at start / end "
             f"{c['loadavg_start']} / {c['loadavg_end']} (other processes on the machine skew absolute speeds)",

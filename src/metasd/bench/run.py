@@ -2,7 +2,8 @@
 
 Per question: `ar` first (its output is the reference), then the oracle table from that reference, then the other
 methods in an order rotated by one each question, so that machine drift and ordering effects spread over all
-methods. Before every method the model-free drafters are put back to the same cross-request state.
+methods. Before every method the model-free drafters are put back to the same cross-request state. With --repeat N the
+methods run N passes over each question from one state and each keeps its fastest run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .history import DrafterHistory
 from .methods import DERIVED, file_stem, lm_drafters, longest_draft, resolve_methods, uses_drafters
 from .oracles import turn_oracle
 from .questions import Question, load_questions, select_questions
-from .runners import QuestionRecord, engine_turn, hf_turn, oracle_turn, run_question
+from .runners import QuestionRecord, engine_turn, hf_turn, measure_question, oracle_turn
 
 WARMUP_PROMPT = "Say hello in one short sentence."
 
@@ -48,9 +49,10 @@ class BenchConfig:
     command: str | None = None  # recorded in the report
     extra: dict = field(default_factory=dict)  # recorded in summary.json (e.g. the preset)
     drift: bool = False  # the drift workload (bench/drift.py): categories are drift kinds, per_category per kind
+    repeat: int = 1  # passes over each question's methods from one state; the fastest run is kept (measure_question)
 
     def check(self) -> None:
-        for name in ("max_new_tokens", "draft_len"):
+        for name in ("max_new_tokens", "draft_len", "repeat"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -126,8 +128,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     timed = [m for m in methods if m not in DERIVED]
     warm = [m for m in timed if m != "oracle-round"] if cfg.warmup else []
     loaded = time.perf_counter()
-    bar = tqdm(total=len(warm) + len(questions) * len(timed), desc="bench", unit="run", disable=not cfg.progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=len(warm) + len(questions) * len(timed) * cfg.repeat, desc="bench", unit="run",
+               disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
     for method in warm:  # first calls pay one-off costs (allocations, lazy inits): keep them out of the timings
         bar.set_postfix_str(f"warm-up {method}")
         history.restore()
@@ -144,11 +146,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     paths: dict = {}
     try:
         for i, q in enumerate(questions):
-            bar.set_postfix_str(f"q{q.question_id} {q.category} ar")
-            history.restore()
-            reference = results["ar"][q.question_id] = run_question(decoder, q, runner("ar"))
-            bar.update()
-            if need_tables:
+
+            def oracle_tables(reference: QuestionRecord, q: Question = q) -> None:
                 bar.set_postfix_str(f"q{q.question_id} {q.category} oracle table")
                 history.restore()
                 costs = decoder.cost_model(oracle_k + 1)
@@ -157,13 +156,18 @@ def run_bench(cfg: BenchConfig) -> dict:
                 tables[q.question_id] = [h.table for h in hindsight]
                 paths[q.question_id] = [h.path for h in hindsight]
                 choices[q.question_id] = [h.plan for h in hindsight]
-            shift = i % len(others) if others else 0
-            for method in others[shift:] + others[:shift]:
-                bar.set_postfix_str(f"q{q.question_id} {q.category} {method}")
-                history.restore()
-                results[method][q.question_id] = run_question(decoder, q, runner(method, q.question_id))
+
+            def next_run(method: str, q: Question = q) -> None:
                 bar.update()
-            history.advance([(t.prompt_ids, t.token_ids) for t in reference.turns])
+                bar.set_postfix_str(f"q{q.question_id} {q.category} {method}")
+
+            shift = i % len(others) if others else 0
+            records = measure_question(decoder, q, ["ar", *others[shift:], *others[:shift]],
+                                       lambda method, q=q: runner(method, q.question_id), cfg.repeat,
+                                       history.restore, oracle_tables if need_tables else None, next_run)
+            for method, record in records.items():
+                results[method][q.question_id] = record
+            history.advance([(t.prompt_ids, t.token_ids) for t in records["ar"].turns])
     finally:
         bar.close()
     measured = time.perf_counter()
@@ -185,6 +189,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "methods": methods,
         "turns": sum(len(q.turns) for q in questions),
         "seed": seed,
+        "repeat": cfg.repeat,
         "policy_scope": cfg.policy_scope,
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),

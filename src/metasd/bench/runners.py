@@ -67,6 +67,35 @@ def run_question(decoder, question: Question, run_turn: TurnRunner) -> QuestionR
     return record
 
 
+def measure_question(decoder, question: Question, methods: Sequence[str], runner: Callable[[str], TurnRunner],
+                     repeat: int, restore: Callable[[], None],
+                     after_reference: Callable[[QuestionRecord], None] | None = None,
+                     on_run: Callable[[str], None] | None = None) -> dict[str, QuestionRecord]:
+    """Every method on one question, in `repeat` passes; the fastest run of each method is its record.
+
+    methods[0] is the reference (`ar`): after its first run, `after_reference` gets it (the oracle tables). Before
+    every run `restore` puts the drafters' cross-request history back, and before every pass after the first the
+    policies go back to what they knew before the first (a repeat must not learn from the question it is measured
+    on). Passes, not back-to-back repeats: a shared machine slows down for tens of seconds at a time, and a method
+    whose tries all fell in one such spell would keep a slow record.
+    """
+    start = decoder.snapshot_policies() if repeat > 1 else None
+    best: dict[str, QuestionRecord] = {}
+    for attempt in range(repeat):
+        if attempt:
+            decoder.restore_policies(start)
+        for method in methods:
+            if on_run is not None:
+                on_run(method)
+            restore()
+            record = run_question(decoder, question, runner(method))
+            if method not in best or record.wall_time < best[method].wall_time:
+                best[method] = record
+            if attempt == 0 and method == methods[0] and after_reference is not None:
+                after_reference(record)
+    return best
+
+
 def engine_turn(decoder, policy: str, max_new_tokens: int, seed: int | None,
                 bind: Callable[[object], None] | None = None) -> TurnRunner:
     """A turn through metasd's Decoder with one policy (`none` for `ar`, `fixed:<d>`, a bandit).
@@ -183,7 +212,7 @@ class ScriptedPolicy(_ArmStats):
         generation.max_draft = self.max_draft  # the plan drafts up to the oracle's longest draft, not --draft-len
         self.generation = generation
 
-    def choose(self, k: int, proposals, lags) -> tuple[int | None, int]:
+    def choose(self, k: int, proposals, lags, **_) -> tuple[int | None, int]:
         arm, planned = self.script(len(self.generation.token_ids))
         return (arm, min(planned, k)) if arm is not None and planned > 0 else (None, 0)
 

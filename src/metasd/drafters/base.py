@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -29,16 +28,25 @@ class Draft:
                      None if self.confidence is None else self.confidence[:k])
 
 
-StopRule = Callable[[int, torch.Tensor], bool]  # (position j from 0, q_j) -> stop before drawing token j
+class StopRule(Protocol):
+    """How a policy ends a model drafter's draft early, asked twice per token j:
+
+    - `before(j, q_j)`: q_j computed (that forward is paid), token j not yet drawn: is it worth verifying?
+    - `after(j, q_j, token)`: token j drawn: is another drafter forward, for token j + 1, worth paying for?
+
+    Neither may drop a drawn token, so the draft stays a sample of q and sampled verification stays exact: `before`
+    decides on q_j alone, and `after` only ends the draft *after* token j (a stopping time, which the acceptance
+    rule does not care about), while a cut that looked at a drawn token and dropped it would favour tokens the
+    drafter liked.
+    """
+
+    def before(self, j: int, q: torch.Tensor) -> bool: ...
+    def after(self, j: int, q: torch.Tensor, token: int) -> bool: ...
 
 
 @runtime_checkable
 class StoppableDrafter(Protocol):
-    """A drafter that can end its draft early: before drawing token j it asks stop(j, q_j).
-
-    The rule sees q_j but not the token drawn from it, so the draft stays an unbiased sample of q and sampled
-    verification stays exact (a cut that looked at the drawn token would favour tokens the drafter liked).
-    """
+    """A drafter that lets a `StopRule` end its draft early."""
 
     def propose_until(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
                       stop: StopRule) -> Draft: ...

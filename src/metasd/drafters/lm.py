@@ -27,7 +27,7 @@ class ModelDrafter:
 
     def propose_until(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
                       stop: StopRule | None) -> Draft:
-        """Up to k tokens; `stop(j, q_j)` may end the draft before token j is drawn.
+        """Up to k tokens; the stop rule may end the draft before token j is drawn or after it (`StopRule`).
 
         Each token's confidence is the largest probability of its q (for greedy drafting, that of the token itself).
         logits_for() first catches the cache up on whatever context it has not seen (missed rounds, rejections).
@@ -37,10 +37,11 @@ class ModelDrafter:
         confidence: list[float] = []
         for j in range(k):
             q = probabilities(self.lm.logits_for(seq), params)[0]
-            top = float(q.max())
-            if stop is not None and stop(j, q):
+            if stop is not None and stop.before(j, q):
                 break
             seq.append(pick(q, params, generator))
             rows.append(q)
-            confidence.append(top)
+            confidence.append(float(q.max()))
+            if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
+                break
         return Draft(seq[len(context):], torch.stack(rows) if rows else None, confidence)
