@@ -74,8 +74,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help="where the qwen-coder pair lives (default: $METASD_MODELS or ~/.cache/metasd-models), or "
                         "the specialists folder (default: $METASD_SPECIALISTS or ./specialists)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="runs of each (question, method), each from the same state; the fastest is kept "
-                        "(default: %(default)s; 3 tames a shared machine's noise on short runs)")
+                   help="passes over each question's methods, each from the same state; every method keeps its "
+                        "fastest run (default: %(default)s; 2-3 tame a shared machine's noise on short runs)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up call of each method")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .history import DrafterHistory
 from .methods import DERIVED, lm_drafters, longest_draft, resolve_methods, uses_drafters
-from .oracles import turn_oracle
+from .oracles import question_oracle
 from .questions import Question
 from .run import WARMUP_PROMPT, BenchConfig, _loadavg, _select, write_outputs
 from .runners import engine_turn, hf_turn, measure_question, oracle_turn
@@ -152,11 +152,8 @@ class QuestionBench:
         def oracle_tables(reference) -> None:
             nonlocal tables, paths
             self.history.restore()
-            costs = decoder.cost_model(self.oracle_k + 1)
-            hindsight = [turn_oracle(self.pool, t.prompt_ids, t.token_ids, self.oracle_k, cfg.max_new_tokens, costs)
-                         for t in reference.turns]
-            tables, paths = [h.table for h in hindsight], [h.path for h in hindsight]
-            self.choices[q.question_id] = [h.plan for h in hindsight]
+            tables, paths, self.choices[q.question_id] = question_oracle(
+                self.pool, reference, self.oracle_k, cfg.max_new_tokens, decoder.cost_model(self.oracle_k + 1))
 
         shift = index % len(self.others) if self.others else 0
         records = measure_question(decoder, q, ["ar", *self.others[shift:], *self.others[:shift]],

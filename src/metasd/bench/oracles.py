@@ -214,3 +214,11 @@ def turn_oracle(drafters: Sequence, prompt: list[int], reference: list[int], max
     steps = [costs.target(m) for m in range(1, max_draft + 2)]
     plan = oracle_plan(table, steps, costs.overhead.value or 0.0)
     return TurnOracle(table, plan, oracle_path(plan))
+
+
+def question_oracle(drafters: Sequence, reference, max_draft: int, max_new_tokens: int,
+                    costs) -> tuple[list[AcceptanceTable], list[OraclePath], list[list[Step]]]:
+    """`turn_oracle` for every turn of a question's reference record (`ar`'s): the tables, the walks, the plans."""
+    turns = [turn_oracle(drafters, t.prompt_ids, t.token_ids, max_draft, max_new_tokens, costs)
+             for t in reference.turns]
+    return [t.table for t in turns], [t.path for t in turns], [t.plan for t in turns]

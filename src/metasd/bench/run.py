@@ -19,7 +19,7 @@ from pathlib import Path
 from ..drafters import DEFAULT_POOL
 from .history import DrafterHistory
 from .methods import DERIVED, file_stem, lm_drafters, longest_draft, resolve_methods, uses_drafters
-from .oracles import turn_oracle
+from .oracles import question_oracle
 from .questions import Question, load_questions, select_questions
 from .runners import QuestionRecord, engine_turn, hf_turn, measure_question, oracle_turn
 
@@ -150,12 +150,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             def oracle_tables(reference: QuestionRecord, q: Question = q) -> None:
                 bar.set_postfix_str(f"q{q.question_id} {q.category} oracle table")
                 history.restore()
-                costs = decoder.cost_model(oracle_k + 1)
-                hindsight = [turn_oracle(pool, t.prompt_ids, t.token_ids, oracle_k, max_new, costs)
-                             for t in reference.turns]
-                tables[q.question_id] = [h.table for h in hindsight]
-                paths[q.question_id] = [h.path for h in hindsight]
-                choices[q.question_id] = [h.plan for h in hindsight]
+                tables[q.question_id], paths[q.question_id], choices[q.question_id] = question_oracle(
+                    pool, reference, oracle_k, max_new, decoder.cost_model(oracle_k + 1))
 
             def next_run(method: str, q: Question = q) -> None:
                 bar.update()
