@@ -144,7 +144,7 @@ class AdaptivePolicy:
                 price = costs.drafter(self.names[arm])
                 catch_up = price.catch_up_time(lags[arm], t[0])
                 if fresh is not None and fresh[arm] and remaining:
-                    # its first draft prefills the prompt (0.9 s for 709 tokens on the Qwen pair, seven target
+                    # its first draft prefills the prompt (0.9 s for 709 tokens on the Qwen pair, six target
                     # steps): an investment in every later round, charged in proportion to the share of the
                     # request's remaining tokens this round yields, so a long prompt and a short answer rule it out
                     catch_up = catch_up * np.minimum(1.0, gain / remaining)
