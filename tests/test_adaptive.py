@@ -14,6 +14,7 @@ from metasd.adaptive import AdaptivePolicy, parse_params
 from metasd.costs import CostModel, DrafterCost, TargetCost, cache_file, calibration_key, load_or_calibrate
 from metasd.hindsight import Hindsight
 from metasd.linear_kernels import KERNELS, install, installed
+from metasd.outcome import RoundOutcome
 from metasd.policies import build_policy, canonical_policy
 
 
@@ -81,6 +82,35 @@ def test_a_fresh_drafters_prompt_is_an_investment_in_the_rest_of_the_request():
     assert policy.choose(6, {}, [700], remaining=2000, fresh=[False]) == (None, 0)  # a real catch-up: paid now
 
 
+def test_a_drafter_started_and_then_left_idle_pays_more_for_its_next_prompt():
+    """The prefill is amortised over the share of the output the drafter's rounds yielded once started in earlier
+    requests: a drafter tried once per request and then dropped (early exit on the Qwen pair) is not started on a
+    long prompt any more, while one that drafts most rounds still is."""
+    def run_request(policy, drafted_rounds, rounds=20):
+        policy.reset()
+        context = [1, 2, 3]
+        for i in range(rounds):
+            arm = 0 if i < drafted_rounds else None
+            draft = Draft([7]) if arm is not None else Draft([])
+            context = context + [7]
+            policy.feedback(RoundOutcome(arm, len(draft.tokens), draft, 0, len(context) - 1, context, None, [7],
+                                         {}, 0.001, 0.01, 0.01))
+        policy.finish(context)
+
+    chosen = {}
+    for drafted in (1, 20):
+        policy = policy_with([0.010] * 13, accept=0.9, n_arms=1, free=(False,))
+        policy.costs.drafter("d0").step.add(0.001)
+        policy.costs.drafter("d0").catch_up.add(700, 0.300)
+        assert policy.choose(6, {}, [700], remaining=100, fresh=[True])[0] == 0  # unknown: priced as if used
+        for _ in range(4):
+            run_request(policy, drafted)
+        policy.acceptance.accepted[:] = 180  # the same acceptance for both
+        policy.acceptance.tried[:] = 200
+        chosen[drafted] = policy.choose(6, {}, [700], remaining=100, fresh=[True])[0]
+    assert chosen == {1: None, 20: 0}
+
+
 def test_catch_up_time_is_a_line_through_small_and_large_intakes():
     cost = DrafterCost()
     assert cost.catch_up_time(10, 0.1) == pytest.approx(0.01)  # unmeasured: a guess of 1 % of a step per token
@@ -134,6 +164,25 @@ def test_stop_rule_weighs_the_next_forward_against_what_it_may_earn():
     stop = dear.stop_rule(0, 12)
     ends = next(j for j in range(12) if stop.before(j, sure) or stop.after(j, sure, 0))
     assert 0 <= ends <= 3
+
+
+def test_the_stop_rule_holds_a_draft_to_the_best_rate_without_optimism():
+    """An unknown drafter picked on its bonus is not held to the bonus: going on must beat what the round's options
+    offer on evidence, not the optimistic rate that picked it."""
+    table = [0.010] * 13
+    policy = AdaptivePolicy(1, beta=1.0, prior=0)
+    policy.attach(CostModel(TargetCost(table)), ["d0"], [False], [True])
+    policy.costs.target.observe(1, 0.010)
+    policy.costs.drafter("d0").step.add(0.004)
+    assert policy.choose(12, {}, [0]) == (0, 1)
+    stop = policy.stop_rule(0, 1)
+    # picked at 2 tokens / 14 ms (its first token sure, by the bonus); held to 1.5 tokens / 14 ms (the uninformed
+    # 1/2), which beats a plain step (1 / 10 ms)
+    assert stop.rate == pytest.approx(1.5 / 0.014)
+    sure = policy_with(table, accept=0.9, n_arms=1, free=(False,), beta=0.0)
+    sure.costs.drafter("d0").step.add(0.004)
+    arm, _ = sure.choose(12, {}, [0])
+    assert arm == 0 and sure.stop_rule(0, 12).rate > 1 / 0.010  # with evidence and no bonus: the plan's own rate
 
 
 def test_a_stoppable_model_drafter_is_sent_for_the_explored_length():

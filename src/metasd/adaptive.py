@@ -17,10 +17,11 @@ step at rate 1 / (T(1) + overhead), is always an option, so a pool that cannot p
   7-12 tokens at 3x the cost of a plain step and lost most of them). The plan only decides
   *whether* the drafter drafts: a drafter that takes a stop rule is sent out for that explored length and a stop
   rule ends its draft token by token, before token j when q_j says it is not worth verifying, and after it when
-  the tokens still to come are worth less than the drafter forwards and verification they would add at the
-  planned rate (HF's confidence threshold and SpecDec++, with the threshold derived from the measured costs
-  instead of fixed). Measured on the Qwen pair (bfloat16): planning k from position means alone held the 0.5B
-  drafter at k = 2 in 56 of its 59 rounds, while at a fixed k = 5 it averaged 3.11 tokens a round.
+  the tokens still to come are worth less than the drafter forwards and verification they would add at the best
+  rate any option offers this round without optimism (HF's confidence threshold and SpecDec++, with the threshold
+  derived from the measured costs instead of fixed). Measured on the Qwen pair (bfloat16): planning k from
+  position means alone held the 0.5B drafter at k = 2 in 56 of its 59 rounds, while at a fixed k = 5 it averaged
+  3.11 tokens a round.
 
 Parameters (`metasd-adaptive[:beta=B,prior=W,gamma=G,max=K]`): beta (0.3) scales the optimism bonus; prior (0)
 caps the observations per cell carried from earlier requests; gamma (1) forgets within a request; max (12) is the
@@ -45,6 +46,7 @@ from .hindsight import Hindsight
 from .outcome import RoundOutcome
 
 DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12}
+_USAGE_PRIOR = 1.0  # pseudo-requests at full usage behind `AdaptivePolicy._usage`
 _BOUNDS = {"beta": (0.0, 10.0), "prior": (0.0, 1e6), "gamma": (0.5, 1.0), "max": (1, 64)}
 
 
@@ -96,7 +98,13 @@ class AdaptivePolicy:
         self.pulls = [0] * n_arms
         self.mean_rewards = [0.0] * n_arms
         self.rounds = 0
-        self._plan_rate = 0.0
+        self._bar = 0.0
+        # per model drafter, across requests: the share of a request's output, from its first draft on, that came
+        # from its rounds (what its prompt prefill is amortised over), as a mean shrunk toward 1 (`_usage`)
+        self.usage_sum = [0.0] * n_arms
+        self.usage_count = [0] * n_arms
+        self._since_start: list[float | None] = [None] * n_arms  # this request: tokens since its first draft
+        self._yielded = [0.0] * n_arms  # and tokens its own rounds emitted
 
     def attach(self, costs: CostModel, names: Sequence[str], free: Sequence[bool],
                stoppable: Sequence[bool] | None = None) -> None:
@@ -124,36 +132,46 @@ class AdaptivePolicy:
                fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
         costs = self._costs()
         if costs.target.plain_step_due():  # keep T(1) measured: every other estimate is scaled by it
-            self._plan_rate = 0.0
+            self._bar = 0.0
             return None, 0
         overhead = costs.overhead.value or 0.0
         t = np.array([costs.target(m) for m in range(1, k_max + 2)]) + overhead  # t[k]: time to verify k drafted
         best: tuple[float, int | None, int] = (1.0 / t[0], None, 0)
+        bar = best[0]  # the best rate any option offers on present evidence, optimism left out
         for arm in range(self.n_arms):
             if self.free[arm]:
                 draft = proposals.get(arm)
                 if draft is None or not draft.tokens:
                     continue
                 m = min(len(draft.tokens), k_max)
-                gain = expected_tokens(self.acceptance.rates(arm, draft.confidence, m))
-                rate = gain / t[: m + 1]  # proposals are already paid for: only verification counts
+                rate = expected_tokens(self.acceptance.rates(arm, draft.confidence, m)) / t[: m + 1]
+                honest = rate  # proposals are already paid for: only verification counts
             else:
                 m = self.acceptance.explored_length(arm, k_max)
-                rates = np.minimum(self.acceptance.plan_rates(arm, m) + self._bonus(arm), 1.0)
-                gain = expected_tokens(rates)
-                price = costs.drafter(self.names[arm])
-                catch_up = price.catch_up_time(lags[arm], t[0])
-                if fresh is not None and fresh[arm] and remaining:
-                    # its first draft prefills the prompt (0.9 s for 709 tokens on the Qwen pair, six target
-                    # steps): an investment in every later round, charged in proportion to the share of the
-                    # request's remaining tokens this round yields, so a long prompt and a short answer rule it out
-                    catch_up = catch_up * np.minimum(1.0, gain / remaining)
-                rate = gain / (t[: m + 1] + np.arange(m + 1) * price.step_time(t[0]) + catch_up)
+                fresh_arm = fresh is not None and fresh[arm] and bool(remaining)
+                rate = self._model_rate(arm, m, t, lags[arm], fresh_arm, remaining, self._bonus(arm))
+                honest = self._model_rate(arm, m, t, lags[arm], fresh_arm, remaining, 0.0)
             k = int(np.argmax(rate[1:])) + 1
+            bar = max(bar, float(honest[1:].max()))
             if rate[k] > best[0]:  # a drafter that stops itself gets the explored length and ends where it pays
                 best = (float(rate[k]), arm, m if self.stoppable[arm] else k)
-        self._plan_rate = best[0]
+        self._bar = bar
         return best[1], best[2]
+
+    def _model_rate(self, arm: int, m: int, t: np.ndarray, lag: int, fresh: bool, remaining: int | None,
+                    bonus: float) -> np.ndarray:
+        """[m + 1] expected tokens per second of drafting k = 0..m tokens with model drafter `arm`."""
+        costs = self._costs()
+        gain = expected_tokens(np.minimum(self.acceptance.plan_rates(arm, m) + bonus, 1.0))
+        price = costs.drafter(self.names[arm])
+        catch_up = price.catch_up_time(lag, t[0])
+        if fresh:
+            # its first draft prefills the prompt (0.9 s for 709 tokens on the Qwen pair, six target steps): an
+            # investment in the tokens it will yield, charged in proportion to this round's share of them: of the
+            # request's remaining tokens, the share its rounds took in earlier requests once started. A long
+            # prompt with a short answer, or a drafter that is started and then rarely drafts, rules it out.
+            catch_up = catch_up * np.minimum(1.0, gain / (remaining * self._usage(arm)))
+        return gain / (t[: m + 1] + np.arange(m + 1) * price.step_time(t[0]) + catch_up)
 
     def stop_rule(self, arm: int, k: int) -> StopRule | None:
         """For a model drafter: the rule that ends its draft once more tokens are worth less than their time."""
@@ -176,11 +194,34 @@ class AdaptivePolicy:
         if arm is not None:
             self.pulls[arm] += 1
             self.mean_rewards[arm] += (score - self.mean_rewards[arm]) / self.pulls[arm]
+        self._count_usage(arm, len(outcome.context) - outcome.start)
         return score
 
     def finish(self, context: list[int]) -> None:
-        """The request ended: judge the proposals still waiting on as much output as there is."""
+        """The request ended: judge the proposals still waiting on as much output as there is, and record the
+        share of its output each started model drafter's rounds yielded."""
         self._resolve(context, final=True)
+        for arm, since in enumerate(self._since_start):
+            if since:
+                self.usage_sum[arm] += self._yielded[arm] / since
+                self.usage_count[arm] += 1
+        self._since_start = [None] * self.n_arms
+        self._yielded = [0.0] * self.n_arms
+
+    def _count_usage(self, arm: int | None, tokens: int) -> None:
+        for a, since in enumerate(self._since_start):
+            if since is not None:
+                self._since_start[a] = since + tokens
+        if arm is not None and not self.free[arm]:
+            if self._since_start[arm] is None:
+                self._since_start[arm] = tokens
+            self._yielded[arm] += tokens
+
+    def _usage(self, arm: int) -> float:
+        """The expected share of a request's output a model drafter yields once started: the mean over earlier
+        requests with one pseudo-request at 1 (so an unknown drafter is priced as if it would yield everything,
+        and a single poor request does not shut it out of the next)."""
+        return (self.usage_sum[arm] + _USAGE_PRIOR) / (self.usage_count[arm] + _USAGE_PRIOR)
 
     def _resolve(self, context: list[int], final: bool) -> None:
         for d in self.hindsight.resolve(context, final):
@@ -194,7 +235,9 @@ class AdaptivePolicy:
 
 class _DraftStop:
     """A model drafter's draft, token by token: go on while the tokens still to come are worth their time at the
-    planned rate (the rate this round was chosen for: what the time could earn elsewhere).
+    bar: the best rate any option offered this round on present evidence, optimism left out (what the time could
+    earn in the next round). The plan's own rate would be the wrong bar: it includes the bonus that got an unknown
+    drafter picked, and the drafter would be held to it.
 
     Token j is worth its acceptance chance given everything before it was accepted (from q_j's confidence once
     known, the position mean before); the time of going on is the drafter forwards not yet paid for plus the
@@ -204,7 +247,7 @@ class _DraftStop:
 
     def __init__(self, policy: AdaptivePolicy, arm: int, k: int):
         costs = policy._costs()
-        self.acceptance, self.arm, self.rate = policy.acceptance, arm, policy._plan_rate
+        self.acceptance, self.arm, self.rate = policy.acceptance, arm, policy._bar
         self.bonus = policy._bonus(arm)
         self.later = np.minimum(self.acceptance.plan_rates(arm, k) + self.bonus, 1.0)
         self.step = costs.drafter(policy.names[arm]).step_time(costs.target(1))
