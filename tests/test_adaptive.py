@@ -208,6 +208,30 @@ def test_acceptance_model_learns_per_signal_and_position_and_starts_from_history
     assert expected_tokens(np.array([1.0, 0.5])).tolist() == [1.0, 2.0, 2.5]
 
 
+def test_a_drafter_equally_poor_on_every_request_gets_a_strong_prior_a_variable_one_a_weak_one():
+    """spread: the history's weight in a new request follows how much a drafter's first-token acceptance varied
+    between earlier requests (beta-binomial concentration by moments)."""
+    model = AcceptanceModel(2, prior_weight=0, spread=True)
+    for request in range(8):
+        steady = [1] + [0] * 9  # 1 in 10 on every request
+        varying = [1] * 9 + [0] if request % 2 else [1] * 3 + [0] * 7  # 90 % on some requests, 30 % on others
+        for a, b in zip(steady, varying, strict=True):
+            model.learn(0, None, a, 1)
+            model.learn(1, None, b, 1)
+        if request == 1:
+            model.reset()
+            assert model.tried.sum() == 0  # two requests are too few to tell: a fresh start, as prior 0
+            continue
+        model.reset()
+    assert model.prior_strength(0) == 50.0 and model.prior_strength(1) < 5
+    assert model.tried[0, :, 0].sum() == pytest.approx(50.0) and model.position_means(0)[0] < 0.15
+    assert model.tried[1, :, 0].sum() == pytest.approx(model.prior_strength(1))
+    per_cell = AcceptanceModel(2, prior_weight=0)  # spread off: prior 0 is the paper's per-query reset
+    per_cell.learn(0, None, 0, 1)
+    per_cell.reset()
+    assert per_cell.tried.sum() == 0
+
+
 def test_deep_positions_have_their_own_cells():
     """A drafter whose spans always run out after 6 tokens: tokens 3-5 are sure, token 6 never; one rate from
     token 3 on would price both alike."""
@@ -237,7 +261,7 @@ def test_hindsight_waits_for_the_output_that_decides_a_proposal():
 def test_parameters_are_validated_and_canonical():
     assert parse_params("beta=0.5, max=8")["max"] == 8
     assert parse_params("0.2")["beta"] == 0.2
-    for bad in ("max=0", "max=1e9", "gamma=2", "beta=nan", "speed=3", "max=2.5"):
+    for bad in ("max=0", "max=1e9", "gamma=2", "beta=nan", "speed=3", "max=2.5", "spread=0.5"):
         with pytest.raises(ValueError):
             build_policy(f"metasd-adaptive:{bad}", ["ngram"])
     assert canonical_policy("metasd-adaptive", ["ngram"]) == canonical_policy("metasd-adaptive:beta=0.3", ["ngram"])

@@ -5,8 +5,11 @@ A cell holds (accepted, tried) for "token j of a draft from drafter d, with sign
 adaptive policy weighs against T(k + 1). Estimates shrink toward the drafter's position-level mean (all signal
 levels pooled), and that toward an uninformed 1/2, so a fresh cell borrows what its neighbours know.
 
-Across requests: counts also accumulate in a history; `reset` starts a request from that history scaled down to at
-most `prior_weight` observations per cell, so a request starts informed but its own evidence soon dominates
+Across requests: counts also accumulate in a history; `reset` starts a request from that history scaled down, so a
+request starts informed but its own evidence soon dominates. How far down: with `spread` (the adaptive policy's
+default), per drafter, to as many observations as the spread of its first-token acceptance between earlier requests
+justifies (`prior_strength`: a drafter equally poor everywhere is not explored afresh on every request, one whose
+acceptance depends on the text starts nearly fresh); otherwise to at most `prior_weight` observations per cell
 (prior_weight 0 is the paper's per-query reset). `gamma` < 1 forgets old rounds geometrically, for text whose
 character changes within a request.
 """
@@ -26,6 +29,8 @@ POSITIONS = len(CELL_STARTS)
 _CELL_OF = np.searchsorted(CELL_STARTS, np.arange(CELL_STARTS[-1] + 1), side="right") - 1
 _POOL_WEIGHT = 2.0  # pseudo-observations a cell borrows from its drafter's position mean
 _BASE_WEIGHT = 1.0  # and that mean from 1/2
+_SPREAD_CAP = 50.0  # most pseudo-observations a between-request spread estimate may give a drafter's prior
+_SPREAD_REQUESTS = 50  # earlier requests it is estimated from
 
 
 def signal_levels(confidence: Sequence[float] | None, m: int) -> np.ndarray:
@@ -41,19 +46,48 @@ def positions(m: int) -> np.ndarray:
 
 
 class AcceptanceModel:
-    def __init__(self, n_arms: int, prior_weight: float = 20.0, gamma: float = 1.0):
+    def __init__(self, n_arms: int, prior_weight: float = 20.0, gamma: float = 1.0, spread: bool = False):
         shape = (n_arms, SIGNAL_LEVELS + 1, POSITIONS)
         self.prior_weight = prior_weight
         self.gamma = gamma
+        self.spread = spread
         self.history_accepted = np.zeros(shape)
         self.history_tried = np.zeros(shape)
+        self.first_tokens: list[list[tuple[float, float]]] = [[] for _ in range(n_arms)]  # per earlier request
+        self._first = np.zeros((n_arms, 2))  # this request's (accepted, tried) first drafted tokens per drafter
         self.reset()
 
     def reset(self) -> None:
-        """A new request: start from the history, capped at prior_weight observations per cell."""
-        scale = np.minimum(1.0, self.prior_weight / np.maximum(self.history_tried, 1e-12))
+        """A new request: start from the history, capped at prior_weight observations per cell; with `spread`,
+        at as many observations per drafter as the spread of its acceptance between requests justifies."""
+        for arm, (hits, tried) in enumerate(self._first):
+            if tried > 0:
+                self.first_tokens[arm] = (self.first_tokens[arm] + [(hits, tried)])[-_SPREAD_REQUESTS:]
+        self._first[:] = 0.0
+        if self.spread:
+            weight = np.array([self.prior_strength(arm) for arm in range(len(self.first_tokens))])
+            first = self.history_tried[:, :, 0].sum(1)
+            scale = np.minimum(1.0, weight / np.maximum(first, 1e-12))[:, None, None]
+        else:
+            scale = np.minimum(1.0, self.prior_weight / np.maximum(self.history_tried, 1e-12))
         self.accepted = self.history_accepted * scale
         self.tried = self.history_tried * scale
+
+    def prior_strength(self, arm: int) -> float:
+        """Empirical Bayes: pseudo-observations worth of the drafter's history for a new request, from how much
+        its first-token acceptance varied between earlier requests (a beta-binomial's concentration by the method
+        of moments). A drafter that is equally poor on every request (early exit on the Qwen pair) gets a strong
+        prior and is not explored afresh each time; one whose acceptance depends on the text gets a weak one."""
+        if len(self.first_tokens[arm]) < 3:
+            return 0.0
+        hits, tried = np.array(self.first_tokens[arm]).T
+        mean = hits.sum() / tried.sum()
+        if mean <= 0.0 or mean >= 1.0:
+            return _SPREAD_CAP
+        between = np.var(hits / tried) - mean * (1.0 - mean) * np.mean(1.0 / tried)
+        if between <= 0.0:
+            return _SPREAD_CAP
+        return float(np.clip(mean * (1.0 - mean) / between - 1.0, 0.0, _SPREAD_CAP))
 
     def learn(self, arm: int, confidence: Sequence[float] | None, accepted: int, decided: int) -> None:
         """Tokens 0..accepted-1 were accepted; token `accepted` was rejected if accepted < decided (the number of
@@ -63,6 +97,7 @@ class AcceptanceModel:
             return
         cells = (arm, signal_levels(confidence, n), positions(n))
         hits = (np.arange(n) < accepted).astype(float)
+        self._first[arm] += (hits[0], 1.0)
         for acc, tried in ((self.accepted, self.tried), (self.history_accepted, self.history_tried)):
             np.add.at(acc, cells, hits)
             np.add.at(tried, cells, 1.0)

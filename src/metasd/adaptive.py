@@ -23,13 +23,16 @@ step at rate 1 / (T(1) + overhead), is always an option, so a pool that cannot p
   position means alone held the 0.5B drafter at k = 2 in 56 of its 59 rounds, while at a fixed k = 5 it averaged
   3.11 tokens a round.
 
-Parameters (`metasd-adaptive[:beta=B,prior=W,gamma=G,max=K]`): beta (0.3) scales the optimism bonus; prior (0)
-caps the observations per cell carried from earlier requests; gamma (1) forgets within a request; max (12) is the
-longest draft considered. What carries across requests by default is the machine's cost model, not acceptance:
-Spec-Bench's groups differ so much (at k = 5 the 0.5B Qwen drafter gets 4.3 tokens a round accepted on math and 1.25
-on translation) that a history prior kept a request on the last request's drafter. Side by side, prior 0 against 20:
-1.11 vs 1.09x `ar` on the embedded quick bench, 1.25 / 1.18 / 1.20 vs 1.21 / 1.14 / 1.17x in three runs on the
-Qwen pair (README, Speed).
+Parameters (`metasd-adaptive[:beta=B,prior=W,gamma=G,max=K,spread=S]`): beta (0.3) scales the optimism bonus;
+spread (1) starts each request from the pool's history weighted per drafter by how little its acceptance varied
+between earlier requests (empirical Bayes, `AcceptanceModel.prior_strength`); spread=0 uses prior (0) instead, a cap
+on the observations per cell carried from earlier requests; gamma (1) forgets within a request; max (12) is the
+longest draft considered. A fixed history weight fails both ways: Spec-Bench's groups differ so much (at k = 5 the
+0.5B Qwen drafter gets 4.3 tokens a round accepted on math and 1.25 on translation) that prior 20 kept a request on
+the last request's drafter (prior 0 against 20: 1.11 vs 1.09x `ar` on the embedded quick bench, 1.25 / 1.18 / 1.20
+vs 1.21 / 1.14 / 1.17x in three runs on the Qwen pair), while prior 0 explored early exit, poor on every request,
+afresh each time. Side by side on the Qwen pair (bfloat16, two questions per group): spread 1.32x against 1.18x
+for prior 0 (README, Speed).
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ from .drafters.base import Draft, StopRule
 from .hindsight import Hindsight
 from .outcome import RoundOutcome
 
-DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12}
+DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1}
 _USAGE_PRIOR = 1.0  # pseudo-requests at full usage behind `AdaptivePolicy._usage`
-_BOUNDS = {"beta": (0.0, 10.0), "prior": (0.0, 1e6), "gamma": (0.5, 1.0), "max": (1, 64)}
+_BOUNDS = {"beta": (0.0, 10.0), "prior": (0.0, 1e6), "gamma": (0.5, 1.0), "max": (1, 64), "spread": (0, 1)}
 
 
 def parse_params(param: str) -> dict[str, float]:
@@ -69,6 +72,8 @@ def parse_params(param: str) -> dict[str, float]:
             raise ValueError(f"metasd-adaptive: {key} must be in [{lo}, {hi}], got {value}")
         if key == "max" and number != int(number):
             raise ValueError(f"metasd-adaptive: max must be an integer, got {value}")
+        if key == "spread" and number not in (0, 1):
+            raise ValueError(f"metasd-adaptive: spread is 0 (off) or 1 (on), got {value}")
         out[key] = number
     out["max"] = int(out["max"])
     return out
@@ -83,13 +88,14 @@ class AdaptivePolicy:
     full_information = True
     wants_proposals = True
 
-    def __init__(self, n_arms: int, beta: float = 0.3, prior: float = 0.0, gamma: float = 1.0, max: int = 12):
+    def __init__(self, n_arms: int, beta: float = 0.3, prior: float = 0.0, gamma: float = 1.0, max: int = 12,
+                 spread: float = 1):
         if n_arms < 1:
             raise ValueError("a policy needs at least one drafter")
         self.n_arms = n_arms
         self.beta = beta
         self.max_draft = int(max)
-        self.acceptance = AcceptanceModel(n_arms, prior_weight=prior, gamma=gamma)
+        self.acceptance = AcceptanceModel(n_arms, prior_weight=prior, gamma=gamma, spread=bool(spread))
         self.costs: CostModel | None = None
         self.names: list[str] = []
         self.free: list[bool] = []
