@@ -155,8 +155,7 @@ class AdaptivePolicy:
             else:
                 m = self.acceptance.explored_length(arm, k_max)
                 fresh_arm = fresh is not None and fresh[arm] and bool(remaining)
-                rate = self._model_rate(arm, m, t, lags[arm], fresh_arm, remaining, self._bonus(arm))
-                honest = self._model_rate(arm, m, t, lags[arm], fresh_arm, remaining, 0.0)
+                rate, honest = self._model_rates(arm, m, t, lags[arm], fresh_arm, remaining)
             k = int(np.argmax(rate[1:])) + 1
             bar = max(bar, float(honest[1:].max()))
             if rate[k] > best[0]:  # a drafter that stops itself gets the explored length and ends where it pays
@@ -164,20 +163,26 @@ class AdaptivePolicy:
         self._bar = bar
         return best[1], best[2]
 
-    def _model_rate(self, arm: int, m: int, t: np.ndarray, lag: int, fresh: bool, remaining: int | None,
-                    bonus: float) -> np.ndarray:
-        """[m + 1] expected tokens per second of drafting k = 0..m tokens with model drafter `arm`."""
-        costs = self._costs()
-        gain = expected_tokens(np.minimum(self.acceptance.plan_rates(arm, m) + bonus, 1.0))
-        price = costs.drafter(self.names[arm])
+    def _model_rates(self, arm: int, m: int, t: np.ndarray, lag: int, fresh: bool,
+                     remaining: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """[m + 1] expected tokens per second of drafting k = 0..m tokens with model drafter `arm`: with the
+        optimism bonus (what the choice uses) and without (what the stop rule's bar uses)."""
+        price = self._costs().drafter(self.names[arm])
         catch_up = price.catch_up_time(lag, t[0])
-        if fresh:
-            # its first draft prefills the prompt (0.9 s for 709 tokens on the Qwen pair, six target steps): an
-            # investment in the tokens it will yield, charged in proportion to this round's share of them: of the
-            # request's remaining tokens, the share its rounds took in earlier requests once started. A long
-            # prompt with a short answer, or a drafter that is started and then rarely drafts, rules it out.
-            catch_up = catch_up * np.minimum(1.0, gain / (remaining * self._usage(arm)))
-        return gain / (t[: m + 1] + np.arange(m + 1) * price.step_time(t[0]) + catch_up)
+        base = t[: m + 1] + np.arange(m + 1) * price.step_time(t[0])
+        means = self.acceptance.plan_rates(arm, m)
+        out = []
+        for bonus in (self._bonus(arm), 0.0):
+            gain = expected_tokens(np.minimum(means + bonus, 1.0))
+            charge = catch_up
+            if fresh:
+                # its first draft prefills the prompt (0.9 s for 709 tokens on the Qwen pair, six target steps):
+                # an investment in the tokens it will yield, charged in proportion to this round's share of them:
+                # of the request's remaining tokens, the share its rounds took in earlier requests once started. A
+                # long prompt with a short answer, or a drafter that is started and then rarely drafts, rules it out.
+                charge = catch_up * np.minimum(1.0, gain / (remaining * self._usage(arm)))
+            out.append(gain / (base + charge))
+        return out[0], out[1]
 
     def stop_rule(self, arm: int, k: int) -> StopRule | None:
         """For a model drafter: the rule that ends its draft once more tokens are worth less than their time."""
