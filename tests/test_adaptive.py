@@ -14,7 +14,7 @@ from metasd.adaptive import AdaptivePolicy, parse_params
 from metasd.costs import CostModel, DrafterCost, TargetCost, cache_file, calibration_key, load_or_calibrate
 from metasd.hindsight import Hindsight
 from metasd.linear_kernels import KERNELS, install, installed
-from metasd.outcome import RoundOutcome
+from metasd.outcome import Extension, RoundOutcome
 from metasd.policies import build_policy, canonical_policy
 
 
@@ -195,6 +195,59 @@ def test_a_stoppable_model_drafter_is_sent_for_the_explored_length():
     assert policy.choose(12, {}, [0, 0]) == (0, 12)  # the stop rule decides where it ends
 
 
+def test_a_model_draft_is_continued_where_verification_is_cheap_and_the_draft_likely_survives():
+    """After a model drafter's tokens, a free proposal for the context they lead to is appended as far as its
+    expected tokens beat the extra verification: all of a sure copy where T(M) is flat, none where each verified
+    token costs a target step, none after model tokens that are rarely accepted."""
+    model_draft = Draft([5, 6], confidence=[0.95, 0.95])
+    flat = policy_with([0.010] * 13, accept=0.9, free=(True, False))
+    flat.costs.drafter("d1").step.add(0.001)
+    flat.choose(12, {}, [0, 0])
+    assert flat.extension(1, model_draft, {0: proposal(4)}) == (0, 4)
+    assert flat.extension(1, model_draft, {0: Draft([])}) is None
+    steep = policy_with([0.010 * m for m in range(1, 14)], accept=0.9, free=(True, False))
+    steep.costs.drafter("d1").step.add(0.001)
+    steep.choose(12, {}, [0, 0])
+    assert steep.extension(1, model_draft, {0: proposal(4)}) is None
+    unlikely = policy_with([0.010 + 0.0005 * m for m in range(13)], accept=0.9, free=(True, False))
+    unlikely.acceptance.accepted[1] = 10  # the model's tokens: 5 % accepted
+    unlikely.costs.drafter("d1").step.add(0.001)
+    unlikely.choose(12, {0: proposal(8)}, [0, 0])
+    assert unlikely.extension(1, model_draft, {0: proposal(4)}) is None
+
+
+def test_a_continued_round_teaches_each_drafter_only_its_own_tokens():
+    """The model drafter learns from its own tokens; the free drafter's continuation is judged in hindsight, and
+    only where the model's tokens were accepted (otherwise it continued a context that never happened)."""
+    policy = AdaptivePolicy(2, beta=0.0, prior=0)
+    policy.attach(CostModel(TargetCost([0.01] * 13)), ["free", "model"], [True, False])
+    context = [1, 2, 3]
+    model_draft = Draft([5, 6], confidence=[0.9, 0.9])
+    continued = model_draft.followed_by(Draft([7, 8], confidence=[0.9, 0.9]))
+    after = {0: Draft([7, 8], confidence=[0.9, 0.9])}
+    out = context + [5, 6, 7, 4]  # both model tokens and the first continuation token accepted, then the target's 4
+    policy.feedback(RoundOutcome(1, 2, continued, 3, len(context), out, None, [5, 6, 7, 4, 0], {}, 0.0, 0.01, 0.01,
+                                 Extension(2, 0, after)))
+    tried, accepted = policy.acceptance.tried, policy.acceptance.accepted
+    assert tried[1].sum() == 2 and accepted[1].sum() == 2
+    # the free drafter as a continuation (arm 2 + 0) is learned apart from its own rounds' proposals (arm 0)
+    assert tried[2].sum() == 2 and accepted[2].sum() == 1 and tried[0].sum() == 0
+    rejected = context + [9]  # the model's first token rejected: the continuation is not evidence
+    policy.feedback(RoundOutcome(1, 2, continued, 0, len(context), rejected, None, [9], {}, 0.0, 0.01, 0.01,
+                                 Extension(2, 0, after)))
+    assert tried[2].sum() == 2 and tried[1].sum() == 3
+
+
+def test_a_continued_draft_carries_one_hot_rows_after_the_models():
+    q = torch.softmax(torch.randn(2, 10), -1)
+    draft = Draft([3, 4], q, [0.5, 0.6]).followed_by(Draft([7], confidence=[0.9]))
+    assert draft.tokens == [3, 4, 7] and draft.confidence == [0.5, 0.6, 0.9]
+    assert torch.equal(draft.q[:2], q) and draft.q[2, 7] == 1.0 and draft.q[2].sum() == 1.0
+    assert Draft([3]).followed_by(Draft([7])).q is None
+    with pytest.raises(ValueError, match="one-hot"):
+        Draft([3]).followed_by(Draft([7], q[:1]))
+
+
 def test_acceptance_model_learns_per_signal_and_position_and_starts_from_history():
     model = AcceptanceModel(1, prior_weight=10)
     for _ in range(100):
@@ -261,7 +314,9 @@ def test_hindsight_waits_for_the_output_that_decides_a_proposal():
 def test_parameters_are_validated_and_canonical():
     assert parse_params("beta=0.5, max=8")["max"] == 8
     assert parse_params("0.2")["beta"] == 0.2
-    for bad in ("max=0", "max=1e9", "gamma=2", "beta=nan", "speed=3", "max=2.5", "spread=0.5"):
+    assert parse_params("spread=0,prior=20")["prior"] == 20
+    for bad in ("max=0", "max=1e9", "gamma=2", "beta=nan", "speed=3", "max=2.5", "spread=0.5",
+                "prior=20"):  # prior is the history weight of spread=0 only: never silently ignored
         with pytest.raises(ValueError):
             build_policy(f"metasd-adaptive:{bad}", ["ngram"])
     assert canonical_policy("metasd-adaptive", ["ngram"]) == canonical_policy("metasd-adaptive:beta=0.3", ["ngram"])

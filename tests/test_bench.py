@@ -271,10 +271,10 @@ def test_resolve_methods() -> None:
         resolve_methods(None, [])
     assert label("fixed:lm:/a/b/qwen-0.5b.gguf") == "fixed:lm:qwen-0.5b"
     # --methods: a method with several parameters keeps its commas
-    assert _list("ar, metasd-adaptive:prior=5,beta=0.1,fixed:ngram,") == [
-        "ar", "metasd-adaptive:prior=5,beta=0.1", "fixed:ngram"]
-    assert resolve_methods(_list("metasd-adaptive:prior=5,beta=0.1"), pool) == [
-        "ar", "metasd-adaptive:prior=5,beta=0.1"]
+    assert _list("ar, metasd-adaptive:spread=0,prior=5,beta=0.1,fixed:ngram,") == [
+        "ar", "metasd-adaptive:spread=0,prior=5,beta=0.1", "fixed:ngram"]
+    assert resolve_methods(_list("metasd-adaptive:spread=0,prior=5,beta=0.1"), pool) == [
+        "ar", "metasd-adaptive:spread=0,prior=5,beta=0.1"]
     assert file_stem("fixed:lm:/a/b/qwen-0.5b.gguf") == "fixed-lm-qwen-0.5b"
 
 

@@ -44,6 +44,22 @@ def test_suffix_follows_most_frequent_continuation_and_learns_across_requests():
     assert d.propose([42, 8], 1, GREEDY, None).tokens == [3]  # learned in the previous request
 
 
+def test_suffix_index_follows_a_context_that_is_not_an_extension_of_the_last():
+    """Asked for a continuation of a guessed context (a model's draft before verification), then for the true one,
+    the local index holds exactly what a drafter that only ever saw the true context holds."""
+    seen, truth = SuffixDrafter(depth=3), SuffixDrafter(depth=3)
+    for d in (seen, truth):
+        d.begin([1, 2])
+    ctx = [1, 2, 5, 6, 5, 6, 4]
+    for d in (seen, truth):
+        d.propose(ctx, 2, GREEDY, None)
+    seen.propose(ctx + [9, 9, 8], 2, GREEDY, None)  # the guess: rejected later
+    true_next = ctx + [5, 6]
+    assert seen.propose(true_next, 2, GREEDY, None).tokens == truth.propose(true_next, 2, GREEDY, None).tokens
+    assert seen.local.next == truth.local.next
+    assert (9,) not in seen.local.next
+
+
 def test_model_drafter_catches_up_like_a_fresh_one(embedded):
     prompt = embedded.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
     missed = embedded.tokenizer(" Then it ran into the forest and", add_special_tokens=False)["input_ids"]

@@ -7,6 +7,7 @@ import pytest
 from conftest import greedy_reference
 
 from metasd import Decoder, Draft
+from metasd.adaptive import AdaptivePolicy
 from metasd.drafters.ngram import NgramDrafter
 from metasd.drafters.suffix import SuffixDrafter
 from metasd.sampling import SamplingParams
@@ -80,6 +81,24 @@ def test_each_other_policy_over_the_full_pool_is_lossless(decoder, cases, policy
     i = OTHER_POLICIES.index(policy)
     groups = {GROUP_CASES[(2 * i) % len(GROUP_CASES)], GROUP_CASES[(2 * i + 1) % len(GROUP_CASES)]}
     assert_lossless(decoder, [c for c in cases if c[0] in groups], policy=policy, seed=0)
+
+
+def test_model_drafts_continued_by_free_drafters_are_lossless(decoder, cases, monkeypatch):
+    """Every round a model drafter drafts (early exit, often wrong, and the target itself, always right) and the
+    first free proposal for the context its tokens lead to is appended whole: continuations of rejected tokens,
+    and the suffix index asked about contexts that never happen, must not change the output."""
+    names = decoder.drafter_names
+    early, model = names.index("early-exit:8"), names.index("lm:embedded")
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: ((early, model)[self.rounds % 2], 3))
+    monkeypatch.setattr(AdaptivePolicy, "extension",
+                        lambda self, arm, draft, after: next(((a, len(d.tokens)) for a, d in after.items()
+                                                              if d.tokens), None))
+    continued = 0
+    for category, ids, reference in cases:
+        result = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="metasd-adaptive")
+        assert result.token_ids == reference, f"continued drafts diverged from generate() on {category}"
+        continued += sum(r.extended > 0 for r in result.stats.rounds)
+    assert continued >= 10
 
 
 def test_edge_drafters_accept_everything_or_nothing(decoder, cases):

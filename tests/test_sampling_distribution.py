@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from metasd import Decoder
+from metasd.adaptive import AdaptivePolicy
 from metasd.drafters.base import Draft
 from metasd.sampling import SamplingParams, probabilities
 
@@ -127,3 +128,42 @@ def test_the_check_fails_when_q_is_processed_differently(pair):
     counts, _, _ = draw(decoder)
     stat, df = chi2(counts, exact_pairs(target), DRAWS)
     assert stat > chi2_bound(df), (stat, df)
+
+
+class TargetGuess:
+    """A free drafter that proposes the target's most likely next token: deterministic given the context."""
+
+    name = "guess"
+    has_cache = False
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def end(self, context: list[int]) -> None:
+        pass
+
+    def propose(self, context, k, params, generator) -> Draft:
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([context])).logits[0, -1]
+        return Draft([int(logits.argmax())], confidence=[1.0])
+
+
+def test_a_model_draft_continued_by_a_free_drafter_keeps_the_distribution(pair, monkeypatch):
+    """The first round drafts one token from the model drafter, then the free drafter's guess for the context it
+    leads to (a one-hot row in q): the first two tokens must still follow the target's distribution."""
+    target, target_dir, draft_dir = pair
+    decoder = Decoder(target=target_dir, drafters=[f"lm:{draft_dir}", TargetGuess(target)], policy="metasd-adaptive")
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: (0, 1))
+    monkeypatch.setattr(AdaptivePolicy, "extension", lambda self, arm, draft, after: (1, 1) if after else None)
+    counts, continued = Counter(), 0
+    for seed in range(DRAWS):
+        result = decoder.generate(PROMPT, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k,
+                                  top_p=PARAMS.top_p, seed=seed)
+        counts[tuple(result.token_ids[:2])] += 1
+        continued += result.stats.rounds[0].extended
+    assert continued == DRAWS
+    stat, df = chi2(counts, exact_pairs(target), DRAWS)
+    assert stat < chi2_bound(df), (stat, df)

@@ -23,7 +23,7 @@ from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, parse_drafter
 from .drafters.base import StoppableDrafter
 from .linear_kernels import KERNEL_MODES
 from .models import LoadedModel, load_model
-from .outcome import RoundOutcome
+from .outcome import Extension, RoundOutcome
 from .policies import Policy, build_policy, canonical_policy
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats, Round
@@ -253,15 +253,15 @@ class Generation:
         dec, params, policy = self.decoder, self.params, self.policy
         t0 = time.perf_counter()
         remaining = self.max_new_tokens - len(self.token_ids)
-        k = min(self.max_draft, remaining - 1)
+        limit = min(self.max_draft, remaining - 1)
         # tokens each model drafter must take in before drafting: the prompt on its first draft, then what it missed
         lags = [len(context) - synced[d.name] if d.has_cache else 0 for d in self.pool]
         fresh = [d.has_cache and d.name not in self._drafted for d in self.pool]
-        proposals, proposal_times = self._proposals(context, k) if policy and policy.wants_proposals else ({}, {})
-        arm, k = policy.choose(k, proposals, lags, remaining=remaining, fresh=fresh) if policy is not None and k > 0 \
-            else (None, 0)
+        proposals, proposal_times = self._proposals(context, limit) if policy and policy.wants_proposals else ({}, {})
+        arm, k = policy.choose(limit, proposals, lags, remaining=remaining, fresh=fresh) \
+            if policy is not None and limit > 0 else (None, 0)
         t1 = time.perf_counter()
-        draft = self._draft(arm, k, context, proposals, generator)
+        draft, extension = self._draft(arm, k, context, proposals, generator, limit)
         t2 = time.perf_counter()
         fed = dec._lm.fed_tokens
         logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
@@ -279,8 +279,9 @@ class Generation:
         if policy is not None:
             score = policy.feedback(RoundOutcome(
                 arm, k, draft, verdict.accepted, start, context, p, verdict.target_tokens, proposals,
-                proposal_times.get(arm, 0.0) + t2 - t1, t3 - t2, costs.target(1) if costs else 0.0))
+                proposal_times.get(arm, 0.0) + t2 - t1, t3 - t2, costs.target(1) if costs else 0.0, extension))
         drafter = self.pool[arm] if arm is not None else None
+        own = len(draft.tokens) if extension is None else extension.start  # tokens the chosen drafter drafted
         taken_in = lags[arm] if arm is not None else 0
         missed = taken_in - len(self.prompt) if arm is not None and fresh[arm] else taken_in  # the prompt is no miss
         if drafter:
@@ -291,12 +292,12 @@ class Generation:
             if in_sync:
                 costs.target.observe(len(draft.tokens) + 1, t3 - t2)
             if drafter and arm not in proposals:
-                costs.drafter(drafter.name).observe(len(draft.tokens), taken_in, t2 - t1)
+                costs.drafter(drafter.name).observe(own, taken_in, t2 - t1)
             costs.overhead.add(max(t4 - t0 - (t3 - t1), 0.0))
         draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)
         self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens),
                                        min(verdict.accepted, len(new)), score, missed, draft_time, t3 - t2,
-                                       (t4 - t0) - draft_time - (t3 - t2), len(new), k))
+                                       (t4 - t0) - draft_time - (t3 - t2), len(new), k, len(draft.tokens) - own))
         return new
 
     def _proposals(self, context: list[int], k: int) -> tuple[dict[int, Draft], dict[int, float]]:
@@ -312,16 +313,29 @@ class Generation:
         return drafts, times
 
     def _draft(self, arm: int | None, k: int, context: list[int], proposals: dict[int, Draft],
-               generator: torch.Generator) -> Draft:
+               generator: torch.Generator, limit: int) -> tuple[Draft, Extension | None]:
+        """The chosen drafter's draft (k tokens at most), and where a model drafted, maybe a free continuation
+        of it (`limit` tokens in all at most)."""
         if arm is None or k == 0:
-            return Draft([])
+            return Draft([]), None
         if arm in proposals:  # deterministic tokens: cutting them to the chosen length biases nothing
-            return proposals[arm].truncated(k)
+            return proposals[arm].truncated(k), None
         drafter = self.pool[arm]
         stop = self.policy.stop_rule(arm, k)
         if stop is not None and isinstance(drafter, StoppableDrafter):
-            return drafter.propose_until(context, k, self.params, generator, stop)
-        return drafter.propose(context, k, self.params, generator)
+            draft = drafter.propose_until(context, k, self.params, generator, stop)
+        else:
+            draft = drafter.propose(context, k, self.params, generator)
+        if not (self.policy.extends and draft.tokens and limit > len(draft.tokens)):
+            return draft, None
+        # The free drafters propose for the context extended by the model's tokens (microseconds): a copy that
+        # picks up where the model's tokens lead costs only its verification, nearly nothing where T(M) is flat.
+        after, _ = self._proposals(context + draft.tokens, limit - len(draft.tokens))
+        choice = self.policy.extension(arm, draft, after)
+        if choice is None:
+            return draft, None
+        free, n = choice
+        return draft.followed_by(after[free].truncated(n)), Extension(len(draft.tokens), free, after)
 
     def _emit(self, verified: list[int]) -> list[int]:
         """What the output takes of a round's tokens: up to max_new_tokens, and up to an end-of-sequence token."""

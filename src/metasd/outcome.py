@@ -11,6 +11,15 @@ from .drafters.base import Draft
 
 
 @dataclass(frozen=True)
+class Extension:
+    """A model drafter's draft continued by a free drafter's proposal for the context extended by it."""
+
+    start: int  # drafted tokens that came from the chosen drafter; the continuation follows them
+    arm: int  # the free drafter whose proposal continued it
+    proposals: Mapping[int, Draft]  # what every free drafter proposed for context + the model's tokens
+
+
+@dataclass(frozen=True)
 class RoundOutcome:
     arm: int | None  # the drafter that drafted (None: a plain target step)
     k: int  # the draft length the round allowed (what rewards divide by)
@@ -24,3 +33,9 @@ class RoundOutcome:
     draft_time: float
     verify_time: float
     plain_step_time: float  # the machine's current estimate of a 1-token target step (0 when not measured)
+    extension: Extension | None = None  # draft tokens from `extension.start` on came from another drafter
+
+    @property
+    def own(self) -> int:
+        """Drafted tokens that came from the chosen drafter itself."""
+        return len(self.draft.tokens) if self.extension is None else self.extension.start

@@ -30,6 +30,7 @@ class Policy(Protocol):
     reward: str  # which reward the policy learns from: see metasd.rewards.REWARDS ("rate" for metasd-adaptive)
     full_information: bool  # also learns, in hindsight, from every free drafter that did not draft the round
     wants_proposals: bool  # the engine asks every free drafter for a proposal each round, before choose()
+    extends: bool  # the engine offers a model drafter's draft for continuation by a free drafter (`extension`)
     max_draft: int | None  # longest draft it may choose; None: the decoder's draft_len
     pulls: list[int]
     mean_rewards: list[float]
@@ -40,6 +41,9 @@ class Policy(Protocol):
         take in before drafting (its prompt when fresh: it has not drafted in this request yet); remaining: the
         tokens the request may still generate."""
     def stop_rule(self, arm: int, k: int) -> StopRule | None: ...
+    def extension(self, arm: int, draft: Draft, proposals: Mapping[int, Draft]) -> tuple[int, int] | None:
+        """After model drafter `arm` drafted: which free drafter's proposal for the context extended by the draft
+        to append, and how many of its tokens (None: none). Asked only of policies with `extends`."""
     def feedback(self, outcome: RoundOutcome) -> float | None: ...
     def finish(self, context: list[int]) -> None: ...  # the request ended with this context
     def reset(self) -> None: ...
@@ -54,6 +58,7 @@ class _ArmStats:
     """
 
     full_information = False
+    extends = False  # the paper's bandits score whole drafts of the drafter they picked
     max_draft: int | None = None
 
     def __init__(self, n_arms: int, reward: str = "bd") -> None:
@@ -386,7 +391,7 @@ _DRIFT_BETA = 0.1
 MAX_BETA = 100.0
 MAX_BUDGET = 1_000_000
 _CHOICES = (
-    "metasd-adaptive[:beta=B,prior=W,gamma=G,max=K], "
+    "metasd-adaptive[:beta=B,gamma=G,max=K,spread=S,prior=W,extend=E], "
     "metasd-ucb[:BETA], metasd-ucb-cost[:BETA], metasd-fi[:BETA], ducb[:GAMMA[:BETA]], swucb[:WINDOW[:BETA]], "
     "ducb-cost[:GAMMA[:BETA]], swucb-cost[:WINDOW[:BETA]], ucb-be[:BETA], exp3[:GAMMA], "
     "sequential-halving[:BUDGET], random, round-robin, fixed:<drafter>, none"

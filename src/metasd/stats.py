@@ -21,6 +21,7 @@ class Round:
     policy_time: float  # choose + proposals for hindsight + feedback
     emitted: int  # tokens this round added to the output: accepted + the target's own, unless cut
     chosen_k: int | None = None  # the length the policy asked for; drafted is shorter when a proposal runs out
+    extended: int = 0  # drafted tokens a free drafter appended to a model drafter's draft (`Extension`)
 
 
 @dataclass

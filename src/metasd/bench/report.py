@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .methods import is_policy, label
+from .summary import CONTINUED
 
 
 def _fmt(x, digits: int = 2, pct: bool = False) -> str:
@@ -202,11 +203,14 @@ def _costs_and_lengths(summary: dict) -> list[str]:
         for drafter, hist in per_drafter.items():
             total = sum(hist.values())
             mean = sum(k * n for k, n in hist.items()) / total if total else 0.0
-            rows.append([f"`{label(method)}`", "plain step" if drafter == "-" else f"`{label(drafter)}`", str(total),
+            name = drafter.removesuffix(CONTINUED)
+            shown = "plain step" if drafter == "-" else f"`{label(name)}`" + drafter[len(name):]
+            rows.append([f"`{label(method)}`", shown, str(total),
                          _fmt(mean), ", ".join(f"{k}: {n}" for k, n in hist.items())])
     if rows:
         out += ["## Draft lengths chosen", "",
                 "Rounds per policy and drafter, the mean number of tokens sent for verification, and the "
-                "distribution (k: rounds).", ""]
+                "distribution (k: rounds). A model drafter's rounds whose draft a free drafter continued "
+                "(`+ continuation`) count apart, with the continuation in k.", ""]
         out += _table(["policy", "drafter", "rounds", "mean k", "k: rounds"], rows)
     return out

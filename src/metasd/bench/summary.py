@@ -152,8 +152,12 @@ def summarize(results: Results, questions: list[Question], methods: list[str], d
     return summary
 
 
+CONTINUED = " + continuation"  # the draft-length row of a model drafter's continued rounds
+
+
 def _draft_lengths(results: Results, methods: list[str]) -> dict:
-    """Per policy and drafter: how many rounds sent k = 0, 1, 2, ... drafted tokens ("-" = plain target steps)."""
+    """Per policy and drafter: how many rounds sent k = 0, 1, 2, ... drafted tokens ("-" = plain target steps;
+    a model drafter's rounds continued by a free drafter count apart, under CONTINUED after its name)."""
     out: dict[str, dict[str, dict[int, int]]] = {}
     for method in methods:
         if not is_policy(method) or method not in results:
@@ -162,7 +166,7 @@ def _draft_lengths(results: Results, methods: list[str]) -> dict:
         for record in results[method].values():
             for turn in record.turns:
                 for r in turn.rounds or []:
-                    row = counts.setdefault(r.drafter or "-", {})
+                    row = counts.setdefault((r.drafter or "-") + (CONTINUED if r.extended else ""), {})
                     row[r.drafted] = row.get(r.drafted, 0) + 1
         out[method] = {d: dict(sorted(row.items())) for d, row in counts.items()}
     return out

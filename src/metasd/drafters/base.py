@@ -27,6 +27,23 @@ class Draft:
         return Draft(self.tokens[:k], None if self.q is None else self.q[:k],
                      None if self.confidence is None else self.confidence[:k])
 
+    def followed_by(self, tail: Draft) -> Draft:
+        """This draft, then `tail`: a one-hot draft proposed for the context extended by this one's tokens.
+
+        Sampled verification stays exact: each tail token is a deterministic function of the context and the
+        tokens before it, so its q is one-hot, and rows of the one-hot draft are written out only where this
+        draft carries q rows. Confidence is kept only when both carry it."""
+        if tail.q is not None:
+            raise ValueError("only a one-hot draft (q None) can follow another: its tokens must be deterministic")
+        q = self.q
+        if q is not None and tail.tokens:
+            one_hot = torch.zeros(len(tail.tokens), q.shape[-1], dtype=q.dtype)
+            one_hot[torch.arange(len(tail.tokens)), torch.tensor(tail.tokens)] = 1.0
+            q = torch.cat([q, one_hot])
+        confidence = None if self.confidence is None or tail.confidence is None else \
+            self.confidence + tail.confidence
+        return Draft(self.tokens + tail.tokens, q, confidence)
+
 
 class StopRule(Protocol):
     """How a policy ends a model drafter's draft early, asked twice per token j:

@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict, defaultdict, deque
 
 import torch
 
+from ..cached_model import common_prefix
 from ..sampling import SamplingParams
 from .base import Draft
 
@@ -35,9 +36,9 @@ class SuffixIndex:
             for n in range(1, min(self.depth, i) + 1):
                 self.next[tuple(tokens[i - n : i])][tokens[i]] += 1
 
-    def remove(self, tokens: list[int]) -> None:
-        """Undo `add(tokens, 0)`: entries whose count drops to zero are deleted, so memory follows what is held."""
-        for i in range(1, len(tokens)):
+    def remove(self, tokens: list[int], start: int = 0) -> None:
+        """Undo `add(tokens, start)`: entries whose count drops to zero are deleted, so memory follows what is held."""
+        for i in range(max(start, 1), len(tokens)):
             for n in range(1, min(self.depth, i) + 1):
                 key = tuple(tokens[i - n : i])
                 counts = self.next[key]
@@ -152,7 +153,13 @@ class SuffixDrafter:
                 del self._histories[key]
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        self.local.add(context, len(self._context))
+        # The local index follows the context it was last asked about. A context is usually that one plus the
+        # tokens generated since; one that is not (a continuation of a model's draft, asked before verification)
+        # first takes out what the new context no longer has.
+        keep = common_prefix(self._context, context)
+        if keep < len(self._context):
+            self.local.remove(self._context, keep)
+        self.local.add(context, keep)
         self._context = list(context)
         history = self.history
         seq = list(context[-self.depth :])
