@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from metasd import Decoder, Draft
-from metasd.acceptance import AcceptanceModel, expected_tokens
+from metasd.acceptance import SIGNAL_LEVELS, AcceptanceModel, expected_tokens, signal_levels
 from metasd.adaptive import AdaptivePolicy, parse_params
 from metasd.costs import CostModel, DrafterCost, TargetCost, cache_file, calibration_key, load_or_calibrate
 from metasd.hindsight import Hindsight
@@ -236,6 +236,11 @@ def test_a_continued_round_teaches_each_drafter_only_its_own_tokens():
     policy.feedback(RoundOutcome(1, 2, continued, 0, len(context), rejected, None, [9], {}, 0.0, 0.01, 0.01,
                                  Extension(2, 0, after)))
     assert tried[2].sum() == 2 and tried[1].sum() == 3
+    # a continuation offered but not appended is evidence all the same, once the model's tokens are accepted
+    declined = context + [5, 6, 7, 8, 1]
+    policy.feedback(RoundOutcome(1, 2, model_draft, 2, len(context), declined, None, [5, 6, 7], {}, 0.0, 0.01, 0.01,
+                                 Extension(2, None, after)))
+    assert tried[2].sum() == 4 and accepted[2].sum() == 3 and tried[1].sum() == 5
 
 
 def test_a_continued_draft_carries_one_hot_rows_after_the_models():
@@ -244,6 +249,10 @@ def test_a_continued_draft_carries_one_hot_rows_after_the_models():
     assert draft.tokens == [3, 4, 7] and draft.confidence == [0.5, 0.6, 0.9]
     assert torch.equal(draft.q[:2], q) and draft.q[2, 7] == 1.0 and draft.q[2].sum() == 1.0
     assert Draft([3]).followed_by(Draft([7])).q is None
+    assert Draft([3]).followed_by(Draft([7])).confidence is None
+    mixed = Draft([3], confidence=[0.95]).followed_by(Draft([7, 8]))  # a continuation without a signal
+    assert mixed.confidence[0] == 0.95 and np.isnan(mixed.confidence[1:]).all()
+    assert signal_levels(mixed.confidence, 3).tolist() == [4, SIGNAL_LEVELS, SIGNAL_LEVELS]
     with pytest.raises(ValueError, match="one-hot"):
         Draft([3]).followed_by(Draft([7], q[:1]))
 

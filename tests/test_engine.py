@@ -93,11 +93,18 @@ def test_model_drafts_continued_by_free_drafters_are_lossless(decoder, cases, mo
     monkeypatch.setattr(AdaptivePolicy, "extension",
                         lambda self, arm, draft, after: next(((a, len(d.tokens)) for a, d in after.items()
                                                               if d.tokens), None))
-    continued = 0
+    continued, free = 0, [n for n in names if not decoder.drafters[n].has_cache]
     for category, ids, reference in cases:
         result = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="metasd-adaptive")
         assert result.token_ids == reference, f"continued drafts diverged from generate() on {category}"
-        continued += sum(r.extended > 0 for r in result.stats.rounds)
+        rounds = result.stats.rounds
+        continued += sum(r.extended > 0 for r in rounds)
+        # per drafter, a continuation's tokens are its free drafter's (without a pull), the rest the model's
+        per_drafter = result.stats.drafters()
+        assert sum(d.drafted for d in per_drafter.values()) == sum(r.drafted for r in rounds)
+        assert sum(d.accepted for d in per_drafter.values()) == sum(r.accepted for r in rounds)
+        assert sum(d.drafted for n, d in per_drafter.items() if n in free) == sum(r.extended for r in rounds)
+        assert all(per_drafter[n].pulls == 0 for n in free if n in per_drafter)
     assert continued >= 10
 
 

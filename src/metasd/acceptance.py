@@ -36,8 +36,9 @@ _SPREAD_REQUESTS = 50  # earlier requests it is estimated from
 def signal_levels(confidence: Sequence[float] | None, m: int) -> np.ndarray:
     if confidence is None:
         return np.full(m, SIGNAL_LEVELS, dtype=np.int64)
-    c = np.clip(np.asarray(confidence[:m], dtype=float), 0.0, 1.0)
-    return np.minimum((c * SIGNAL_LEVELS).astype(np.int64), SIGNAL_LEVELS - 1)
+    c = np.asarray(confidence[:m], dtype=float)
+    levels = np.minimum((np.clip(np.nan_to_num(c), 0.0, 1.0) * SIGNAL_LEVELS).astype(np.int64), SIGNAL_LEVELS - 1)
+    return np.where(np.isnan(c), SIGNAL_LEVELS, levels)  # NaN: a token without a signal
 
 
 def positions(m: int) -> np.ndarray:

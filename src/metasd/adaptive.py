@@ -217,9 +217,8 @@ class AdaptivePolicy:
             m = len(tail.tokens)
             if m == 0:
                 continue
-            gains = reach * np.cumsum(np.cumprod(self.acceptance.rates(self.n_arms + free, tail.confidence, m)))
             extra = np.array([costs.target(n + 1 + e) for e in range(1, m + 1)]) - costs.target(n + 1)
-            net = gains - self._bar * extra
+            net = _net_gains(reach, self.acceptance.rates(self.n_arms + free, tail.confidence, m), extra, self._bar)
             e = int(np.argmax(net))
             if net[e] > best:
                 best, choice = float(net[e]), (free, e + 1)
@@ -232,12 +231,12 @@ class AdaptivePolicy:
         arm = outcome.arm
         self.acceptance.forget()
         if arm is not None and not self.free[arm]:
-            own, confidence = outcome.own, outcome.draft.confidence
-            self.acceptance.learn(arm, confidence and confidence[:own], min(outcome.accepted, own), own)
+            own = outcome.own
+            self.acceptance.learn(arm, outcome.draft.truncated(own).confidence, min(outcome.accepted, own), own)
         for a, draft in outcome.proposals.items():
             self.hindsight.add(a, outcome.start, draft.tokens, draft.confidence)
-        tail = outcome.extension
-        if tail is not None and outcome.accepted >= tail.start:  # the continuations followed the true context
+        tail = outcome.extension  # appended or not, a continuation that followed the true context is evidence
+        if tail is not None and outcome.accepted >= tail.start:
             for a, draft in tail.proposals.items():
                 self.hindsight.add(self.n_arms + a, outcome.start + tail.start, draft.tokens, draft.confidence)
         self._resolve(outcome.context, final=False)
@@ -285,6 +284,12 @@ class AdaptivePolicy:
         return self.costs
 
 
+def _net_gains(reach: float, rates: np.ndarray, times: np.ndarray, bar: float) -> np.ndarray:
+    """[n] what sending 1..n more tokens earns: their expected accepted tokens (each counts only if every token
+    before it, `reach` for those already sent, is accepted) minus what their extra time would earn at `bar`."""
+    return reach * np.cumsum(np.cumprod(rates)) - bar * times
+
+
 class _DraftStop:
     """A model drafter's draft, token by token: go on while the tokens still to come are worth their time at the
     bar: the best rate any option offered this round on present evidence, optimism left out (what the time could
@@ -310,11 +315,10 @@ class _DraftStop:
         """Is sending some of the next len(rates) tokens (after `sent`) worth more than its time?"""
         if len(rates) == 0:
             return False
-        gains = self.reach * np.cumsum(np.cumprod(rates))
         more = np.arange(1, len(rates) + 1)
         forwards = more - 1 if first_paid else more
         times = self.verify[sent + more] - self.verify[sent] + self.step * forwards
-        return bool(np.max(gains - self.rate * times) > 0)
+        return bool(np.max(_net_gains(self.reach, rates, times, self.rate)) > 0)
 
     def before(self, j: int, q) -> bool:
         a_j = min(self.acceptance.rate_at(self.arm, float(q.max()), j) + self.bonus, 1.0)

@@ -261,43 +261,44 @@ class Generation:
         arm, k = policy.choose(limit, proposals, lags, remaining=remaining, fresh=fresh) \
             if policy is not None and limit > 0 else (None, 0)
         t1 = time.perf_counter()
-        draft, extension = self._draft(arm, k, context, proposals, generator, limit)
+        draft = self._draft(arm, k, context, proposals, generator)
         t2 = time.perf_counter()
+        draft, extension = self._continue(arm, draft, context, limit)
+        t3 = time.perf_counter()
         fed = dec._lm.fed_tokens
         logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
         in_sync = dec._lm.fed_tokens - fed == len(draft.tokens) + 1  # not the prompt's prefill: that is no T(M)
         p = None if params.greedy else probabilities(logits, params)
         verdict = verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens,
                                                                                           generator)
-        t3 = time.perf_counter()
+        t4 = time.perf_counter()
         new = self._emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
         start = len(context)
         context += new
         self.token_ids += new
         costs = dec._costs
-        score = None
-        if policy is not None:
-            score = policy.feedback(RoundOutcome(
-                arm, k, draft, verdict.accepted, start, context, p, verdict.target_tokens, proposals,
-                proposal_times.get(arm, 0.0) + t2 - t1, t3 - t2, costs.target(1) if costs else 0.0, extension))
+        draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)
+        outcome = RoundOutcome(arm, k, draft, verdict.accepted, start, context, p, verdict.target_tokens, proposals,
+                               draft_time, t4 - t3, costs.target(1) if costs else 0.0, extension)
+        score = policy.feedback(outcome) if policy is not None else None
         drafter = self.pool[arm] if arm is not None else None
-        own = len(draft.tokens) if extension is None else extension.start  # tokens the chosen drafter drafted
         taken_in = lags[arm] if arm is not None else 0
         missed = taken_in - len(self.prompt) if arm is not None and fresh[arm] else taken_in  # the prompt is no miss
-        if drafter:
-            synced[drafter.name] = len(context)
+        if drafter:  # its cache took in the context up to its last drafted token, not a continuation after it
+            synced[drafter.name] = min(len(context), start + outcome.own + 1)
             self._drafted.add(drafter.name)
-        t4 = time.perf_counter()
+        t5 = time.perf_counter()
         if costs is not None:  # the machine's costs, whatever the policy: every round is a measurement (but prefills)
             if in_sync:
-                costs.target.observe(len(draft.tokens) + 1, t3 - t2)
+                costs.target.observe(len(draft.tokens) + 1, t4 - t3)
             if drafter and arm not in proposals:
-                costs.drafter(drafter.name).observe(own, taken_in, t2 - t1)
-            costs.overhead.add(max(t4 - t0 - (t3 - t1), 0.0))
-        draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)
+                costs.drafter(drafter.name).observe(outcome.own, taken_in, t2 - t1)
+            costs.overhead.add(max(t5 - t0 - (t2 - t1) - (t4 - t3), 0.0))
+        continued_by = self.pool[extension.arm].name if extension and extension.arm is not None else None
         self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens),
-                                       min(verdict.accepted, len(new)), score, missed, draft_time, t3 - t2,
-                                       (t4 - t0) - draft_time - (t3 - t2), len(new), k, len(draft.tokens) - own))
+                                       min(verdict.accepted, len(new)), score, missed, draft_time, t4 - t3,
+                                       (t5 - t0) - draft_time - (t4 - t3), len(new), k,
+                                       len(draft.tokens) - outcome.own, continued_by))
         return new
 
     def _proposals(self, context: list[int], k: int) -> tuple[dict[int, Draft], dict[int, float]]:
@@ -313,27 +314,30 @@ class Generation:
         return drafts, times
 
     def _draft(self, arm: int | None, k: int, context: list[int], proposals: dict[int, Draft],
-               generator: torch.Generator, limit: int) -> tuple[Draft, Extension | None]:
-        """The chosen drafter's draft (k tokens at most), and where a model drafted, maybe a free continuation
-        of it (`limit` tokens in all at most)."""
+               generator: torch.Generator) -> Draft:
         if arm is None or k == 0:
-            return Draft([]), None
+            return Draft([])
         if arm in proposals:  # deterministic tokens: cutting them to the chosen length biases nothing
-            return proposals[arm].truncated(k), None
+            return proposals[arm].truncated(k)
         drafter = self.pool[arm]
         stop = self.policy.stop_rule(arm, k)
         if stop is not None and isinstance(drafter, StoppableDrafter):
-            draft = drafter.propose_until(context, k, self.params, generator, stop)
-        else:
-            draft = drafter.propose(context, k, self.params, generator)
-        if not (self.policy.extends and draft.tokens and limit > len(draft.tokens)):
+            return drafter.propose_until(context, k, self.params, generator, stop)
+        return drafter.propose(context, k, self.params, generator)
+
+    def _continue(self, arm: int | None, draft: Draft, context: list[int],
+                  limit: int) -> tuple[Draft, Extension | None]:
+        """A model drafter's draft, continued by a free drafter where the policy finds it pays (`limit` tokens in
+        all at most): the free drafters propose for the context the model's tokens lead to (microseconds), and a
+        copy that picks up there costs only its verification, nearly nothing where T(M) is flat. The proposals
+        go to the policy even when none is appended: it learns what continuations are worth from all of them."""
+        if arm is None or not self.pool[arm].has_cache or not self.policy.extends or not draft.tokens \
+                or len(draft.tokens) >= limit or self.decoder.target.eos_token_ids.intersection(draft.tokens):
             return draft, None
-        # The free drafters propose for the context extended by the model's tokens (microseconds): a copy that
-        # picks up where the model's tokens lead costs only its verification, nearly nothing where T(M) is flat.
         after, _ = self._proposals(context + draft.tokens, limit - len(draft.tokens))
         choice = self.policy.extension(arm, draft, after)
         if choice is None:
-            return draft, None
+            return draft, Extension(len(draft.tokens), None, after)
         free, n = choice
         return draft.followed_by(after[free].truncated(n)), Extension(len(draft.tokens), free, after)
 

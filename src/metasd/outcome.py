@@ -12,10 +12,11 @@ from .drafters.base import Draft
 
 @dataclass(frozen=True)
 class Extension:
-    """A model drafter's draft continued by a free drafter's proposal for the context extended by it."""
+    """What followed a model drafter's draft: every free drafter's proposal for the context its tokens lead to,
+    and which one, if any, the round verified after them."""
 
-    start: int  # drafted tokens that came from the chosen drafter; the continuation follows them
-    arm: int  # the free drafter whose proposal continued it
+    start: int  # drafted tokens that came from the chosen drafter; a continuation follows them
+    arm: int | None  # the free drafter whose proposal was appended (None: none was)
     proposals: Mapping[int, Draft]  # what every free drafter proposed for context + the model's tokens
 
 
@@ -33,7 +34,8 @@ class RoundOutcome:
     draft_time: float
     verify_time: float
     plain_step_time: float  # the machine's current estimate of a 1-token target step (0 when not measured)
-    extension: Extension | None = None  # draft tokens from `extension.start` on came from another drafter
+    extension: Extension | None = None  # a model's draft: the continuations offered, and tokens appended from
+    # `extension.start` on
 
     @property
     def own(self) -> int:

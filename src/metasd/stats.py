@@ -22,6 +22,7 @@ class Round:
     emitted: int  # tokens this round added to the output: accepted + the target's own, unless cut
     chosen_k: int | None = None  # the length the policy asked for; drafted is shorter when a proposal runs out
     extended: int = 0  # drafted tokens a free drafter appended to a model drafter's draft (`Extension`)
+    continued_by: str | None = None  # that free drafter
 
 
 @dataclass
@@ -75,11 +76,16 @@ class GenerationStats:
         for r in self.rounds:
             if r.drafter is None:
                 continue
+            own = r.drafted - r.extended
             s = out.setdefault(r.drafter, DrafterStats())
             s.pulls += 1
-            s.drafted += r.drafted
-            s.accepted += r.accepted
+            s.drafted += own
+            s.accepted += min(r.accepted, own)
             s.reward_sum += r.reward or 0.0
+            if r.continued_by is not None:  # the continuation's tokens are its drafter's, without a pull
+                c = out.setdefault(r.continued_by, DrafterStats())
+                c.drafted += r.extended
+                c.accepted += max(r.accepted - own, 0)
         return out
 
     def to_dict(self, rounds: bool = False) -> dict:

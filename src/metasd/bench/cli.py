@@ -14,7 +14,7 @@ DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"
 
 def _list(text: str) -> list[str]:
     """Comma-separated names; a `key=value` item continues the one before it, so a method with several
-    parameters (`metasd-adaptive:prior=5,beta=0.1`) stays whole."""
+    parameters (`metasd-adaptive:spread=0,prior=5,beta=0.1`) stays whole."""
     items: list[str] = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         if items and "=" in item and ":" not in item:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -15,8 +16,9 @@ class Draft:
     tokens: list[int]
     q: torch.Tensor | None = None  # [len(tokens), V] probabilities the tokens were drawn from; None = one-hot
     # Per token, the drafter's own signal in [0, 1] of how sure it is (n-gram match length, the suffix index's
-    # continuation share, a model's probability of its token); None when it has none. Policies learn what each
-    # level of a drafter's signal is worth in accepted tokens (metasd.acceptance), so the scale need not be calibrated.
+    # continuation share, a model's probability of its token); None when it has none (NaN: none for that token).
+    # Policies learn what each level of a drafter's signal is worth in accepted tokens (metasd.acceptance), so the
+    # scale need not be calibrated.
     confidence: list[float] | None = None
 
     def truncated(self, k: int) -> Draft:
@@ -32,7 +34,7 @@ class Draft:
 
         Sampled verification stays exact: each tail token is a deterministic function of the context and the
         tokens before it, so its q is one-hot, and rows of the one-hot draft are written out only where this
-        draft carries q rows. Confidence is kept only when both carry it."""
+        draft carries q rows. A side without confidence gets NaN (no signal) for its tokens."""
         if tail.q is not None:
             raise ValueError("only a one-hot draft (q None) can follow another: its tokens must be deterministic")
         q = self.q
@@ -40,8 +42,10 @@ class Draft:
             one_hot = torch.zeros(len(tail.tokens), q.shape[-1], dtype=q.dtype)
             one_hot[torch.arange(len(tail.tokens)), torch.tensor(tail.tokens)] = 1.0
             q = torch.cat([q, one_hot])
-        confidence = None if self.confidence is None or tail.confidence is None else \
-            self.confidence + tail.confidence
+        confidence = None
+        if self.confidence is not None or tail.confidence is not None:
+            confidence = [*(self.confidence or [math.nan] * len(self.tokens)),
+                          *(tail.confidence or [math.nan] * len(tail.tokens))]
         return Draft(self.tokens + tail.tokens, q, confidence)
 
 
