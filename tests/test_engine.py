@@ -95,7 +95,7 @@ def test_model_drafts_continued_by_free_drafters_are_lossless(decoder, cases, mo
                                                               if d.tokens), None))
     continued, free = 0, [n for n in names if not decoder.drafters[n].has_cache]
     for category, ids, reference in cases:
-        result = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="metasd-adaptive")
+        result = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="metasd-adaptive:extend=1")
         assert result.token_ids == reference, f"continued drafts diverged from generate() on {category}"
         rounds = result.stats.rounds
         continued += sum(r.extended > 0 for r in rounds)

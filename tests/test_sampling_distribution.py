@@ -155,7 +155,8 @@ def test_a_model_draft_continued_by_a_free_drafter_keeps_the_distribution(pair, 
     """The first round drafts one token from the model drafter, then the free drafter's guess for the context it
     leads to (a one-hot row in q): the first two tokens must still follow the target's distribution."""
     target, target_dir, draft_dir = pair
-    decoder = Decoder(target=target_dir, drafters=[f"lm:{draft_dir}", TargetGuess(target)], policy="metasd-adaptive")
+    decoder = Decoder(target=target_dir, drafters=[f"lm:{draft_dir}", TargetGuess(target)],
+                      policy="metasd-adaptive:extend=1")
     monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: (0, 1))
     monkeypatch.setattr(AdaptivePolicy, "extension", lambda self, arm, draft, after: (1, 1) if after else None)
     counts, continued = Counter(), 0

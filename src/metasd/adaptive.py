@@ -28,13 +28,16 @@ step at rate 1 / (T(1) + overhead), is always an option, so a pool that cannot p
   the round's bar. Where T(M) is flat (the Qwen pair in bfloat16: T(6) = T(1)) that costs nothing, and the model
   hands the copy a context it could not have reached alone: offline, over two Spec-Bench questions per group,
   appending n-gram or suffix continuations after the 0.5B drafter's 2-token drafts added 4-24 % to its rounds'
-  tokens outside summarization (98 % there).
+  tokens outside summarization (98 % there). Measured side by side on that pair the gain did not survive: +1 and
+  +2 % in runs of two earlier versions, -2 % for this one (mean accepted tokens +3 %, but continuations of 6-12
+  tokens are verified at T(7..13) = 1.07-1.20 T(1), and the extra proposals took policy time from 0.3 to 0.8 %),
+  so it is off by default.
 
 Parameters (`metasd-adaptive[:beta=B,gamma=G,max=K,spread=S,prior=W,extend=E]`): beta (0.3) scales the optimism
 bonus; spread (1) starts each request from the pool's history weighted per drafter by how little its acceptance
 varied between earlier requests (empirical Bayes, `AcceptanceModel.prior_strength`); spread=0 uses prior (0)
 instead, a cap on the observations per cell carried from earlier requests (prior > 0 with spread=1 is refused);
-gamma (1) forgets within a request; max (12) is the longest draft considered; extend (1) lets free drafters continue
+gamma (1) forgets within a request; max (12) is the longest draft considered; extend (0) lets free drafters continue
 a model drafter's draft. A fixed history weight fails both ways: Spec-Bench's groups differ so much (at k = 5 the
 0.5B Qwen drafter gets 4.3 tokens a round accepted on math and 1.25 on translation) that prior 20 kept a request on
 the last request's drafter (prior 0 against 20: 1.11 vs 1.09x `ar` on the embedded quick bench, 1.25 / 1.18 / 1.20
@@ -56,7 +59,7 @@ from .drafters.base import Draft, StopRule
 from .hindsight import Hindsight
 from .outcome import RoundOutcome
 
-DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1, "extend": 1}
+DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1, "extend": 0}
 _USAGE_PRIOR = 1.0  # pseudo-requests at full usage behind `AdaptivePolicy._usage`
 _BOUNDS = {"beta": (0.0, 10.0), "prior": (0.0, 1e6), "gamma": (0.5, 1.0), "max": (1, 64), "spread": (0, 1),
            "extend": (0, 1)}
@@ -102,7 +105,7 @@ class AdaptivePolicy:
     wants_proposals = True
 
     def __init__(self, n_arms: int, beta: float = 0.3, prior: float = 0.0, gamma: float = 1.0, max: int = 12,
-                 spread: float = 1, extend: float = 1):
+                 spread: float = 1, extend: float = 0):
         if n_arms < 1:
             raise ValueError("a policy needs at least one drafter")
         self.n_arms = n_arms
