@@ -24,6 +24,11 @@ class Round:
     extended: int = 0  # drafted tokens a free drafter appended to a model drafter's draft (`Extension`)
     continued_by: str | None = None  # that free drafter
 
+    @property
+    def own(self) -> int:
+        """Drafted tokens that came from the drafter itself (`RoundOutcome.own`)."""
+        return self.drafted - self.extended
+
 
 @dataclass
 class DrafterStats:
@@ -76,7 +81,7 @@ class GenerationStats:
         for r in self.rounds:
             if r.drafter is None:
                 continue
-            own = r.drafted - r.extended
+            own = r.own
             s = out.setdefault(r.drafter, DrafterStats())
             s.pulls += 1
             s.drafted += own

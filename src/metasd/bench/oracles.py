@@ -192,8 +192,8 @@ def regret(table: AcceptanceTable, rounds: Sequence[Round], drafter_names: Seque
             row = np.minimum(table.accepted[pos], r.chosen_k if r.chosen_k is not None else r.drafted)
             arm = index[r.drafter]
             per_round.append(int(row.max()) - int(row[arm]))
-            own = r.drafted - r.extended  # the drafter's own tokens; a free continuation may follow them
-            disagreements += min(int(table.accepted[pos, arm]), own) != min(r.accepted, own)
+            # the drafter's own tokens only: a free continuation may follow them
+            disagreements += min(int(table.accepted[pos, arm]), r.own) != min(r.accepted, r.own)
         pos += r.emitted
     return Regret(per_round, disagreements)
 
