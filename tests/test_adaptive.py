@@ -368,20 +368,21 @@ def test_engine_drafts_long_when_verification_is_free(embedded):
 
 
 def test_statistics_count_what_is_emitted(embedded):
-    decoder = Decoder(drafters=["ngram", "suffix", "lm:embedded"], policy="fixed:lm:embedded", draft_len=5)
+    exact = "lm:embedded:unquantized"  # the target itself: it drafts the target's own tokens
+    decoder = Decoder(drafters=["ngram", "suffix", exact], policy=f"fixed:{exact}", draft_len=5)
     result = decoder.generate("Reply with only the word: yes", max_new_tokens=64)
     assert result.finish_reason == "stop"
     rounds = result.stats.rounds
     assert sum(r.emitted for r in rounds) == len(result.token_ids)
     assert all(r.accepted <= r.emitted <= r.accepted + 1 for r in rounds)
-    last = rounds[-1]  # lm:embedded drafts the target's own tokens: the EOS cut is what limits the last round
+    last = rounds[-1]  # the drafter drafts the target's own tokens: the EOS cut is what limits the last round
     assert last.accepted < last.drafted or last.emitted == last.accepted + 1
     assert sum(s.accepted for s in result.stats.drafters().values()) <= len(result.token_ids)
 
 
 def test_greedy_block_divergence_is_one_scale_for_every_kind(embedded):
     """The target itself as drafter scores 1 whether it sends q (lm:) or only tokens (fixed:ngram-like one-hot)."""
-    decoder = Decoder(drafters=["lm:embedded"], policy="metasd-ucb", draft_len=4)
+    decoder = Decoder(drafters=["lm:embedded:unquantized"], policy="metasd-ucb", draft_len=4)
     rewards = [r.reward for r in decoder.generate("Name three colours.", max_new_tokens=24).stats.rounds
                if r.drafter and r.drafted == 4]
     assert rewards and all(r == pytest.approx(1.0) for r in rewards)

@@ -393,16 +393,20 @@ def test_small_run_report_and_plots(small_run: Path) -> None:
 
 @pytest.mark.slow
 def test_model_drafters_and_hf_assisted(embedded, questions_path: Path, tmp_path: Path) -> None:
-    """early-exit and an lm: drafter (the target itself) in the pool, so hf-assisted runs; a few minutes."""
+    """early-exit and an lm: drafter (the target itself, unquantized) in the pool, so hf-assisted runs; a few
+    minutes."""
     code = main(["bench", "--questions", str(questions_path), "--categories", "summarization,coding",
-                 "--per-category", "1", "--max-new-tokens", "24", "--drafters", "ngram,early-exit:8,lm:embedded",
-                 "--out", str(tmp_path), "--no-progress"])
+                 "--per-category", "1", "--max-new-tokens", "24",
+                 "--drafters", "ngram,early-exit:8,lm:embedded:unquantized", "--out", str(tmp_path), "--no-progress"])
     assert code == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert "hf-assisted" in summary["methods"] and "fixed:lm:embedded" in summary["methods"]
+    exact = "fixed:lm:embedded:unquantized"
+    assert "hf-assisted" in summary["methods"] and exact in summary["methods"]
+    assert summary["config"]["drafter_weights"] == {"early-exit:8": "unquantized",
+                                                    "lm:embedded:unquantized": "unquantized"}
     assert summary["correctness"]["mismatches"] == 0, summary["correctness"]["details"]
     # the target drafting for itself is always right: k + 1 tokens a round except at the end
-    assert summary["methods"]["fixed:lm:embedded"]["overall"]["mean_accepted_tokens"] > 4
+    assert summary["methods"][exact]["overall"]["mean_accepted_tokens"] > 4
     assert summary["methods"]["hf-assisted"]["overall"]["mean_accepted_tokens"] > 4
 
 

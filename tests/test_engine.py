@@ -19,7 +19,9 @@ GROUP_CASES = ("writing", "translation", "summarization", "qa", "math_reasoning"
 DRAFTER_CASES = ("writing", "coding", "translation", "summarization", "math_reasoning")  # prose, code, copying, math
 OTHER_POLICIES = ["none", "metasd-ucb-cost", "metasd-fi", "ucb-be", "exp3", "sequential-halving", "random",
                   "round-robin", "ducb", "swucb:4"]
-POOL = ["ngram", "suffix", "early-exit:8", "lm:embedded"]  # lm:embedded is the target itself: it always agrees
+# lm:embedded:unquantized is the target itself: it always agrees; lm:embedded:int8 is the target's int8 twin
+POOL = ["ngram", "suffix", "early-exit:8", "lm:embedded:unquantized", "lm:embedded:int8"]
+EXACT = "lm:embedded:unquantized"
 
 
 class NeverAgrees:
@@ -88,7 +90,7 @@ def test_model_drafts_continued_by_free_drafters_are_lossless(decoder, cases, mo
     first free proposal for the context its tokens lead to is appended whole: continuations of rejected tokens,
     and the suffix index asked about contexts that never happen, must not change the output."""
     names = decoder.drafter_names
-    early, model = names.index("early-exit:8"), names.index("lm:embedded")
+    early, model = names.index("early-exit:8"), names.index(EXACT)
     monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: ((early, model)[self.rounds % 2], 3))
     monkeypatch.setattr(AdaptivePolicy, "extension",
                         lambda self, arm, draft, after: next(((a, len(d.tokens)) for a, d in after.items()
@@ -110,8 +112,8 @@ def test_model_drafts_continued_by_free_drafters_are_lossless(decoder, cases, mo
 
 def test_edge_drafters_accept_everything_or_nothing(decoder, cases):
     _, ids, reference = cases[0]
-    always = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="fixed:lm:embedded").stats
-    assert always.drafters()["lm:embedded"].accepted == always.drafters()["lm:embedded"].drafted
+    always = decoder.generate(ids, max_new_tokens=MAX_NEW, policy=f"fixed:{EXACT}").stats
+    assert always.drafters()[EXACT].accepted == always.drafters()[EXACT].drafted
     assert always.mean_accepted_tokens > 4.0  # k + 1 = 5 except the clipped last round
     never = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="fixed:never").stats
     assert never.drafters()["never"].accepted == 0

@@ -82,7 +82,7 @@ def test_quantized_or_other_linear_subclasses_keep_their_forward():
 def test_decoding_on_the_weight_major_kernel_is_lossless(embedded, questions_path):
     """Whatever this machine's calibration chose, run every M on the kernel that is not torch's own, and check
     speculative decoding against the target's own greedy output computed on the same layers."""
-    decoder = Decoder(drafters=["ngram", "lm:embedded"], policy="fixed:ngram", draft_len=6)
+    decoder = Decoder(drafters=["ngram", "lm:embedded:unquantized"], policy="fixed:ngram", draft_len=6)
     chosen = installed(decoder.target.model)
     assert chosen is not None and set(chosen) <= set(KERNELS)  # the decoder calibrated and routed its target
     questions = [json.loads(line) for line in questions_path.read_text().splitlines()]
@@ -91,7 +91,7 @@ def test_decoding_on_the_weight_major_kernel_is_lossless(embedded, questions_pat
         for category in ("summarization", "coding", "math_reasoning"):
             ids = decoder.encode(next(q for q in questions if q["category"] == category)["turns"][0])
             reference = greedy_reference(decoder.target.model, ids, 24)
-            for policy in ("fixed:ngram", "fixed:lm:embedded"):
+            for policy in ("fixed:ngram", "fixed:lm:embedded:unquantized"):
                 got = decoder.generate(ids, max_new_tokens=24, policy=policy)
                 assert got.token_ids == reference, (category, policy)
     finally:

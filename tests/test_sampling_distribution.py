@@ -95,16 +95,22 @@ def draw(decoder: Decoder) -> tuple[Counter, int, int]:
     return counts, drafted, accepted
 
 
-def _decoder(target_dir: str, draft_dir: str) -> Decoder:
-    return Decoder(target=target_dir, drafters=[f"lm:{draft_dir}"], policy=f"fixed:lm:{draft_dir}", draft_len=3)
+def _decoder(target_dir: str, draft_dir: str, weights: str = "unquantized") -> Decoder:
+    spec = f"lm:{draft_dir}:{weights}"
+    return Decoder(target=target_dir, drafters=[spec], policy=f"fixed:{spec}", draft_len=3)
 
 
-def test_sampled_output_follows_the_targets_distribution(pair):
+@pytest.mark.parametrize("weights", ["unquantized", "int8"])
+def test_sampled_output_follows_the_targets_distribution(pair, weights):
+    """Also with the drafter on int8 weights: its q differs from the model's, and the rule must use the q drawn
+    from."""
     target, target_dir, draft_dir = pair
     expected = exact_pairs(target)
     assert 2 not in {x for cell in expected for x in cell}  # no end-of-sequence: every draw has two tokens
     assert 4 <= len(expected) <= 200  # a handful of likely pairs: the test has power at DRAWS draws
-    counts, drafted, accepted = draw(_decoder(target_dir, draft_dir))
+    decoder = _decoder(target_dir, draft_dir, weights)
+    assert decoder.drafters[decoder.drafter_names[0]].weights == weights
+    counts, drafted, accepted = draw(decoder)
     assert drafted >= DRAWS and 0.2 * drafted < accepted < 0.9 * drafted  # rejections and acceptances both happen
     stat, df = chi2(counts, expected, DRAWS)
     assert stat < chi2_bound(df), (stat, df)
@@ -115,7 +121,7 @@ def test_the_check_fails_when_q_is_processed_differently(pair):
     drafter's likely tokens, and the bound above must catch it."""
     target, target_dir, draft_dir = pair
     decoder = _decoder(target_dir, draft_dir)
-    drafter = decoder.drafters[f"lm:{draft_dir}"]
+    drafter = decoder.drafters[decoder.drafter_names[0]]
 
     def sharpened(draft: Draft) -> Draft:
         q = None if draft.q is None else draft.q ** 2 / (draft.q ** 2).sum(-1, keepdim=True)

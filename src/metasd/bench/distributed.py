@@ -34,7 +34,7 @@ from .history import DrafterHistory
 from .methods import DERIVED, lm_drafters, longest_draft, resolve_methods, uses_drafters
 from .oracles import question_oracle
 from .questions import Question
-from .run import WARMUP_PROMPT, BenchConfig, _loadavg, _select, write_outputs
+from .run import WARMUP_PROMPT, BenchConfig, _loadavg, _select, drafter_weights, write_outputs
 from .runners import engine_turn, hf_turn, measure_question, oracle_turn
 
 PARTIAL = "partial"
@@ -108,7 +108,7 @@ class QuestionBench:
         self.pool = [decoder.drafters[n] for n in names]
         self.assistant = None
         if "hf-assisted" in self.methods:
-            self.assistant = decoder.drafters[lm_drafters(names)[0]].lm.model
+            self.assistant = decoder.drafters[lm_drafters(names)[0]].model  # as loaded
         self.choices: dict[int, list] = {}
         self.oracle_k = longest_draft(self.methods, cfg.draft_len)
         self.history = DrafterHistory(decoder.drafters)
@@ -138,7 +138,8 @@ class QuestionBench:
         import torch
         import transformers
 
-        return {"target": self.decoder.target.spec, "drafters": self.names, "methods": self.methods,
+        return {"target": self.decoder.target.spec, "drafters": self.names,
+                "drafter_weights": drafter_weights(self.decoder), "methods": self.methods,
                 "timed": self.timed, "torch": torch.__version__, "transformers": transformers.__version__,
                 "python": platform.python_version(), "host": self.host, **self.times}
 
@@ -406,6 +407,7 @@ def _merge(cfg, questions, finished, info, cluster, loadavg_start, started, meas
         "command": cfg.command,
         "target": info["target"],
         "drafters": names,
+        "drafter_weights": info.get("drafter_weights", {}),
         "draft_len": cfg.draft_len,
         "dtype": cfg.dtype,
         "kernels": cfg.kernels,

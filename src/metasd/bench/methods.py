@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from ..int8_weights import WEIGHTS
 from ..policies import POLICY_NAMES, build_policy
 
 HF_METHODS = ("hf-ar", "hf-pld", "hf-assisted")
@@ -88,12 +89,15 @@ def is_policy(method: str) -> bool:
 
 
 def label(method: str) -> str:
-    """Short display name: `fixed:lm:/long/path/model-q4.gguf` -> `fixed:lm:model-q4`."""
+    """Short display name: `fixed:lm:/long/path/model-q4.gguf` -> `fixed:lm:model-q4` (`:int8` and the like kept)."""
     base, sep, rest = method.partition("lm:")
     if not sep:
         return method
-    stem = rest.rstrip("/").rsplit("/", 1)[-1]
-    return f"{base}lm:{stem.removesuffix('.gguf')}"
+    model, colon, weights = rest.rpartition(":")
+    if weights not in WEIGHTS:
+        model, colon, weights = rest, "", ""
+    stem = model.rstrip("/").rsplit("/", 1)[-1]
+    return f"{base}lm:{stem.removesuffix('.gguf')}{colon}{weights}"
 
 
 def file_stem(method: str) -> str:

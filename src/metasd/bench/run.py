@@ -105,7 +105,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     assistant = None
     if "hf-assisted" in methods:
         assistant_name = lm_drafters(names)[0]
-        assistant = decoder.drafters[assistant_name].lm.model
+        assistant = decoder.drafters[assistant_name].model  # as loaded: no int8 twin
 
     k, max_new, seed = cfg.draft_len, cfg.max_new_tokens, cfg.seed
     oracle_k = longest_draft(methods, k)  # the oracle may draft as long as any method here can
@@ -174,6 +174,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "command": cfg.command,
         "target": decoder.target.spec,
         "drafters": names,
+        "drafter_weights": drafter_weights(decoder),
         "draft_len": k,
         "dtype": cfg.dtype,
         "kernels": cfg.kernels,
@@ -246,6 +247,11 @@ def write_outputs(cfg: BenchConfig, summary: dict, results: dict, questions: lis
 
     (out / "report.md").write_text(render(summary, plots), encoding="utf-8")
     return summary
+
+
+def drafter_weights(decoder) -> dict[str, str]:
+    """What each model drafter drafts with ("int8" or "unquantized", `int8_weights.py`): `auto` decides per machine."""
+    return {name: d.weights for name, d in decoder.drafters.items() if hasattr(d, "weights")}
 
 
 def _loadavg() -> list[float] | None:

@@ -1,7 +1,8 @@
-"""Drafters, one kind per file, built from specs like `ngram`, `suffix`, `early-exit:8`, `lm:PATH`."""
+"""Drafters, one kind per file, built from specs like `ngram`, `suffix`, `early-exit:8`, `lm:PATH`, `lm:PATH:int8`."""
 
 from __future__ import annotations
 
+from ..int8_weights import WEIGHTS
 from ..models import LoadedModel, load_model, same_tokenizer
 from .base import Draft, Drafter
 from .datastore import DatastoreDrafter, load_datastore
@@ -10,7 +11,7 @@ from .lm import ModelDrafter
 from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
-DRAFTER_KINDS = ("ngram[:MAX_N]", "suffix[:DEPTH]", "early-exit[:LAYERS]", "lm:MODEL", "datastore:PATH")
+DRAFTER_KINDS = ("ngram[:MAX_N]", "suffix[:DEPTH]", "early-exit[:LAYERS]", "lm:MODEL[:WEIGHTS]", "datastore:PATH")
 # The pool of `generate`, `serve`, `bench` and `Decoder` when none is given (chosen from the quick bench: README).
 DEFAULT_POOL = ("ngram", "suffix")
 
@@ -35,15 +36,19 @@ def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Dra
         layers = _int_arg(spec, arg) if arg else max(1, target.model.config.num_hidden_layers // 4)
         return EarlyExitDrafter(target.model, layers, vocab_size=target.vocab_size)
     if kind == "lm":
-        if not arg:
-            raise ValueError("drafter 'lm:' needs a model: lm:<hub id | directory | file.gguf>")
-        drafter = load_model(arg, dtype, str(target.device))  # beside the target: drafts feed its forward
+        model_spec, _, weights = arg.rpartition(":")
+        if weights not in WEIGHTS:  # no suffix (a path may hold colons of its own): int8 where measured faster
+            model_spec, weights = arg, "auto"
+        if not model_spec:
+            raise ValueError("drafter 'lm:' needs a model: lm:<hub id | directory | file.gguf>[:"
+                             f"{'|'.join(WEIGHTS)}]")
+        drafter = load_model(model_spec, dtype, str(target.device))  # beside the target: drafts feed its forward
         if not same_tokenizer(drafter.tokenizer, target.tokenizer):
             raise ValueError(
                 f"drafter {spec!r} uses a different tokenizer than the target {target.spec!r}; "
                 "a drafter must share the target's vocabulary"
             )
-        return ModelDrafter(drafter.model, name=spec, vocab_size=target.vocab_size)
+        return ModelDrafter(drafter.model, name=spec, vocab_size=target.vocab_size, weights=weights)
     if kind == "datastore":
         if not arg:
             raise ValueError("drafter 'datastore:' needs an index directory (built by `metasd index`): datastore:PATH")

@@ -5,16 +5,22 @@ from __future__ import annotations
 import torch
 
 from ..cached_model import CachedModel
+from ..int8_weights import drafting_weights
 from ..sampling import SamplingParams, pick, probabilities
 from .base import Draft, StopRule
 
 
 class ModelDrafter:
+    """`model` is kept as loaded (`self.model`); drafting runs `self.lm`, on an int8 twin of it where `weights`
+    asks for one (`int8_weights`: `auto` = where measured faster). `self.weights` says which it got."""
+
     has_cache = True
 
-    def __init__(self, model: torch.nn.Module, name: str, vocab_size: int):
+    def __init__(self, model: torch.nn.Module, name: str, vocab_size: int, weights: str = "unquantized"):
         self.name = name
-        self.lm = CachedModel(model, vocab_size=vocab_size)
+        self.model = model
+        drafting, self.weights = drafting_weights(model, weights)
+        self.lm = CachedModel(drafting, vocab_size=vocab_size)
 
     def begin(self, prompt: list[int]) -> None:
         self.lm.reset()
