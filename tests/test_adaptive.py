@@ -24,8 +24,9 @@ def policy_with(table, accept=0.9, n_arms=2, free=(True, False), beta=0.0, signa
     policy.attach(CostModel(TargetCost(table)), [f"d{i}" for i in range(n_arms)], list(free))
     policy.costs.target.observe(1, table[0])  # a plain step measured: no check round due
     hits = int(trials * accept)
-    policy.acceptance.accepted[:] = hits
-    policy.acceptance.tried[:] = trials
+    for acc, tried in ((policy.acceptance.accepted, policy.acceptance.tried),
+                       (policy.acceptance.history_accepted, policy.acceptance.history_tried)):
+        acc[:], tried[:] = hits, trials
     return policy
 
 
@@ -307,6 +308,20 @@ def test_deep_positions_have_their_own_cells():
     for _ in range(3):
         model.learn(0, None, accepted=12, decided=12)
     assert model.explored_length(0, 12) == 12
+
+
+def test_the_explored_length_carries_across_requests_unless_each_request_starts_afresh():
+    """Spread gives a drafter whose acceptance varies between requests a weak prior; the lengths it has been sent
+    for still count, so the next request does not restart it at one token. The paper's per-query reset does."""
+    carried, afresh = AcceptanceModel(1, spread=True), AcceptanceModel(1, prior_weight=0)
+    for model in (carried, afresh):
+        for request in range(4):  # first tokens accepted on half the requests: a weak prior
+            for _ in range(4):
+                model.learn(0, None, accepted=12 if request % 2 else 0, decided=12)
+            model.reset()
+    assert carried.tried[0].sum() < 12  # little of the history weighs in the estimates
+    assert carried.explored_length(0, 12) == 12
+    assert afresh.tried.sum() == 0 and afresh.explored_length(0, 12) == 1
 
 
 def test_hindsight_waits_for_the_output_that_decides_a_proposal():

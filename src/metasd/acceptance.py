@@ -138,8 +138,13 @@ class AcceptanceModel:
     def explored_length(self, arm: int, k_max: int, min_tried: float = 3.0) -> int:
         """The longest draft worth planning for `arm`: one position past the last cell whose acceptance has been
         tried `min_tried` times, cell after cell from position 0 (all of k_max once the last cell has been).
-        Optimism can then ask an unknown drafter for one token, not for k_max tokens priced at a guessed rate."""
-        tried = self.tried[arm].sum(0)
+        Optimism can then ask an unknown drafter for one token, not for k_max tokens priced at a guessed rate.
+
+        Tries count across requests whenever a request starts from the history (spread, or a prior weight): how far
+        a drafter has been sent is not what varies between texts, and counting only the request's scaled-down
+        prior restarted the 0.5B Qwen drafter at 1 token every request (1, 1, 1, 2, 2, 2, 3 ...: never past 3 in a
+        32-token answer, where it drafts 5 with about 3 accepted)."""
+        tried = (self.history_tried if self.spread or self.prior_weight > 0 else self.tried)[arm].sum(0)
         k = 1
         for cell in range(POSITIONS):
             if tried[cell] < min_tried:
