@@ -43,7 +43,7 @@ def main() -> None:
     setup = preset(args.preset)
     model_spec = next(d for d in setup["drafters"].split(",") if d.startswith("lm:"))
     decoder = Decoder(setup["target"], drafters=["ngram"], policy="none", dtype=args.dtype)
-    model = build_drafter(model_spec, decoder.target, args.dtype).lm.model
+    model = build_drafter(model_spec, decoder.target, args.dtype).model  # as loaded: one full-sequence forward
     # a suffix drafter of its own: the decoder's pool indexes each output at its end, before the replay reads it
     ngram, suffix = decoder.drafters["ngram"], build_drafter("suffix", decoder.target, args.dtype)
     rows: dict[str, list[tuple]] = {}

@@ -270,6 +270,8 @@ def test_resolve_methods() -> None:
     with pytest.raises(ValueError, match="at least one drafter"):
         resolve_methods(None, [])
     assert label("fixed:lm:/a/b/qwen-0.5b.gguf") == "fixed:lm:qwen-0.5b"
+    assert label("fixed:lm:/a/b/qwen-0.5b.gguf:unquantized") == "fixed:lm:qwen-0.5b:unquantized"
+    assert label("lm:Qwen/Qwen2.5-0.5B:int8") == "lm:Qwen2.5-0.5B:int8"
     # --methods: a method with several parameters keeps its commas
     assert _list("ar, metasd-adaptive:spread=0,prior=5,beta=0.1,fixed:ngram,") == [
         "ar", "metasd-adaptive:spread=0,prior=5,beta=0.1", "fixed:ngram"]

@@ -25,6 +25,7 @@ import copy
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +46,13 @@ class Int8Linear(torch.nn.Module):
         super().__init__()
         self.weight = linear.weight  # shared with the model as loaded
         weight = linear.weight.detach()
-        rows, self.in_features = weight.shape
+        self.out_features, self.in_features = rows, _ = weight.shape
         qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
         scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
         for start in range(0, rows, _CHUNK):
             block = weight[start : start + _CHUNK].float()
-            scale = block.abs().amax(dim=1).clamp(min=1e-12) / 127
+            # rounded to the stored bfloat16 first, so the rows are quantized with the scale the kernel will use
+            scale = (block.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.bfloat16).float()
             qweight[start : start + _CHUNK] = (block / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             scales[start : start + _CHUNK] = scale
         self.register_buffer("qweight", qweight)
@@ -90,29 +92,47 @@ def forward_seconds(model: torch.nn.Module, rows: int) -> float:
     model(input_ids=ids, use_cache=False, logits_to_keep=1)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
     return time.perf_counter() - start
 
 
-def int8_rows(model: torch.nn.Module, twin: torch.nn.Module, reps: int = 3) -> int:
-    """The largest of ROWS up to which every timed row count ran faster on the twin (0: not even one row).
+def _route(twin: torch.nn.Module, rows: int) -> None:
+    for layer in twin.modules():
+        if isinstance(layer, Int8Linear):
+            layer.int8_rows = rows
 
-    Medians of `reps` forwards after a warm-up, the two models interleaved so that a slow spell hits both."""
-    times: dict[tuple[int, int], list[float]] = {}
+
+def int8_rows(model: torch.nn.Module, twin: torch.nn.Module, reps: int = 3) -> int:
+    """The largest of ROWS up to which int8 ran faster, row count after row count (0: not even one row); routes
+    the twin to it.
+
+    One row: the twin against the model as loaded. Each larger count R: the twin with products of up to R rows in
+    int8 against the same twin with them on the float weights (products up to the previous count in int8), so
+    the LM head, which runs one row in both (the last position's logits), cannot hide a loss in the other layers.
+    Medians of `reps` forwards after a warm-up, the two interleaved so that a slow spell hits both."""
     faster = 0
     for rows in ROWS:
+        times: list[list[float]] = [[], []]
         for rep in range(reps + 1):
-            for which, m in enumerate((model, twin)):
-                elapsed = forward_seconds(m, rows)
+            for which in (0, 1):
+                if faster:
+                    _route(twin, rows if which else faster)
+                elapsed = forward_seconds(twin if which or faster else model, rows)
                 if rep:
-                    times.setdefault((rows, which), []).append(elapsed)
-        if statistics.median(times[rows, 1]) >= statistics.median(times[rows, 0]):
+                    times[which].append(elapsed)
+        if statistics.median(times[1]) >= statistics.median(times[0]):
             break
         faster = rows
+    _route(twin, faster)
     return faster
 
 
 def drafting_weights(model: torch.nn.Module, weights: str = "auto") -> tuple[torch.nn.Module, str]:
-    """The model a drafter should run and what it is ("int8" or "unquantized").
+    """The model a drafter should run and what it is ("int8", "int8 up to R rows" or "unquantized").
+
+    `auto` measures in each process (a Decoder's drafters are built once): its choice can differ between runs,
+    which changes a sampled output's draws (never its distribution); `int8` or `unquantized` pin it.
 
     `int8` insists (every product in int8; a ValueError where this torch build has no int8 kernel for the
     device); `auto` builds the twin, routes each row count to the faster weights (`int8_rows`) and falls back to
@@ -126,16 +146,16 @@ def drafting_weights(model: torch.nn.Module, weights: str = "auto") -> tuple[tor
     try:
         forward_seconds(twin, 1)
     except (NotImplementedError, RuntimeError) as err:
+        device = next(model.parameters()).device
         if weights == "int8":
-            device = next(model.parameters()).device
             raise ValueError(f"int8 drafter weights are not available on {device} with torch {torch.__version__}: "
                              f"{err}") from err
+        warnings.warn(f"int8 drafter weights failed on {device} ({err}); drafting on the weights as loaded",
+                      stacklevel=2)
         return model, "unquantized"
     if weights == "auto":
         rows = int8_rows(model, twin)
         if not rows:
             return model, "unquantized"
-        for layer in twin.modules():
-            if isinstance(layer, Int8Linear):
-                layer.int8_rows = rows
+        return twin, f"int8 up to {rows} rows"
     return twin, "int8"

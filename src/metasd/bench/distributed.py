@@ -430,7 +430,8 @@ def _merge(cfg, questions, finished, info, cluster, loadavg_start, started, meas
         "measure_s": round(max(0.0, measured - started - info.get("load_s", 0.0) - info.get("warmup_s", 0.0)), 1),
         "loadavg_start": loadavg_start,
         "hf_pld": {"prompt_lookup_num_tokens": cfg.draft_len, "max_matching_ngram_size": 3},
-        "hf_assisted": ({"assistant": lm_drafters(names)[0], "num_assistant_tokens": cfg.draft_len,
+        "hf_assisted": ({"assistant": lm_drafters(names)[0], "assistant_weights": "as loaded",
+                         "num_assistant_tokens": cfg.draft_len,
                          "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
                         if "hf-assisted" in methods else None),
         "cluster": {**cluster, "hosts": list(hosts.values())},

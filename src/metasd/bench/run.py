@@ -198,7 +198,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         "measure_s": round(measured - warmed, 1),
         "loadavg_start": loadavg_start,
         "hf_pld": {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3},
-        "hf_assisted": ({"assistant": lm_drafters(names)[0], "num_assistant_tokens": k,
+        "hf_assisted": ({"assistant": lm_drafters(names)[0], "assistant_weights": "as loaded",
+                         "num_assistant_tokens": k,
                          "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
                         if assistant is not None else None),
         **cfg.extra,
