@@ -15,8 +15,9 @@ names the target's own model, or Hugging Face's assisted generation, which the b
 loaded). Whether int8 is faster depends on the kernel this torch build has for the device, on the CPU and on how
 many rows a product has: the same machine ran a 64-token forward (a catch-up, a prompt) 1.8x slower in int8 and a
 700-token prefill 2.1x slower, while 1-4 tokens ran 2x faster. So `auto` times forwards of 1, 2, 4 ... 64 tokens
-through both, runs products of up to the largest row count where int8 stayed faster in int8 and larger ones on the
-shared float weights, and keeps the model as loaded where int8 is not faster even for one token.
+with and without those rows in int8 (`int8_rows`), runs products of up to the largest row count where int8 stayed
+faster in int8 and larger ones on the shared float weights, and keeps the model as loaded where int8 is not faster
+even for one token.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def render(summary: dict, plots: list[str]) -> str:
     methods = summary["methods"]
     out = ["# metasd bench", ""]
     weights = c.get("drafter_weights", {})
-    pool = ", ".join(f"`{label(d)}`" + (f" ({weights[d]} weights)" if d in weights else "") for d in c["drafters"])
+    pool = ", ".join(f"`{label(d)}`" + (f" (weights: {weights[d]})" if d in weights else "") for d in c["drafters"])
     out += [f"- command: `{c['command']}`" if c.get("command") else "",
             f"- target `{c['target']}`, dtype {c['dtype']}, device {c.get('device', 'cpu')}, drafters {pool}, "
             f"draft length k = {c['draft_len']}, max new tokens {c['max_new_tokens']}, greedy",

@@ -251,7 +251,8 @@ def write_outputs(cfg: BenchConfig, summary: dict, results: dict, questions: lis
 
 
 def drafter_weights(decoder) -> dict[str, str]:
-    """What each model drafter drafts with ("int8" or "unquantized", `int8_weights.py`): `auto` decides per machine."""
+    """What each model drafter drafts with (`int8_weights.drafting_weights`: "int8", "int8 up to R rows" or
+    "unquantized"): `auto` decides per machine."""
     return {name: d.weights for name, d in decoder.drafters.items() if hasattr(d, "weights")}
 
 
