@@ -36,6 +36,13 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts `auto` times
 _CHUNK = 16384  # output rows quantized at a time, so a 150k-row LM head needs no full float32 copy
 
 
+def split_weights(arg: str) -> tuple[str, str | None]:
+    """`MODEL[:WEIGHTS]` (the part of an `lm:` spec after `lm:`) -> (MODEL, WEIGHTS or None). Only a known word
+    counts as the suffix: a path may hold colons of its own."""
+    model, _, weights = arg.rpartition(":")
+    return (model, weights) if weights in WEIGHTS else (arg, None)
+
+
 class Int8Linear(torch.nn.Module):
     """y = x W^T + b with W stored as int8 rows times one bfloat16 scale per row (symmetric, max |w| -> 127).
 

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from ..int8_weights import WEIGHTS
+from ..int8_weights import split_weights
 from ..policies import POLICY_NAMES, build_policy
 
 HF_METHODS = ("hf-ar", "hf-pld", "hf-assisted")
@@ -93,11 +93,9 @@ def label(method: str) -> str:
     base, sep, rest = method.partition("lm:")
     if not sep:
         return method
-    model, colon, weights = rest.rpartition(":")
-    if weights not in WEIGHTS:
-        model, colon, weights = rest, "", ""
+    model, weights = split_weights(rest)
     stem = model.rstrip("/").rsplit("/", 1)[-1]
-    return f"{base}lm:{stem.removesuffix('.gguf')}{colon}{weights}"
+    return f"{base}lm:{stem.removesuffix('.gguf')}" + (f":{weights}" if weights else "")
 
 
 def file_stem(method: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..int8_weights import WEIGHTS
+from ..int8_weights import WEIGHTS, split_weights
 from ..models import LoadedModel, load_model, same_tokenizer
 from .base import Draft, Drafter
 from .datastore import DatastoreDrafter, load_datastore
@@ -36,9 +36,7 @@ def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Dra
         layers = _int_arg(spec, arg) if arg else max(1, target.model.config.num_hidden_layers // 4)
         return EarlyExitDrafter(target.model, layers, vocab_size=target.vocab_size)
     if kind == "lm":
-        model_spec, _, weights = arg.rpartition(":")
-        if weights not in WEIGHTS:  # no suffix (a path may hold colons of its own): int8 where measured faster
-            model_spec, weights = arg, "auto"
+        model_spec, weights = split_weights(arg)
         if not model_spec:
             raise ValueError("drafter 'lm:' needs a model: lm:<hub id | directory | file.gguf>[:"
                              f"{'|'.join(WEIGHTS)}]")
@@ -55,7 +53,7 @@ def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Dra
                 f"drafter {spec!r} uses a different tokenizer than the target {target.spec!r}; "
                 "a drafter must share the target's vocabulary"
             )
-        return ModelDrafter(drafter.model, name=spec, vocab_size=target.vocab_size, weights=weights)
+        return ModelDrafter(drafter.model, name=spec, vocab_size=target.vocab_size, weights=weights or "auto")
     if kind == "datastore":
         if not arg:
             raise ValueError("drafter 'datastore:' needs an index directory (built by `metasd index`): datastore:PATH")
