@@ -210,7 +210,7 @@ def main() -> None:
     if not args.no_install and any(d in PACKAGES for d in domains):
         pip_install(*(PACKAGES[d] for d in domains if d in PACKAGES))
 
-    from metasd.index import build_index, load_tokenizer
+    from metasd.specialists.index import build_index, load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
     rng = random.Random(0)

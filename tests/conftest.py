@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded model loads once per session (metasd.models caches it per process)."""
+"""Shared fixtures: the embedded model (loaded once per test run: metasd.models.loading caches it per process) and
+the tests' own questions in Spec-Bench's format (tests/data/questions.jsonl)."""
 
 import os
 
@@ -9,29 +10,16 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+QUESTIONS = Path(__file__).resolve().parent / "data" / "questions.jsonl"  # Spec-Bench's format, written for the tests
 
 
 @pytest.fixture(scope="session")
 def embedded():
-    from metasd.models import load_model
+    from metasd.models.loading import load_model
 
     return load_model()
 
 
 @pytest.fixture(scope="session")
 def questions_path() -> Path:
-    if not QUESTIONS.is_file():
-        pytest.fail(f"Spec-Bench questions not found at {QUESTIONS} (the shared/ folder beside the repo)")
     return QUESTIONS
-
-
-def greedy_reference(model, ids: list[int], max_new_tokens: int) -> list[int]:
-    """The target's own greedy continuation through transformers' generate(), on the model's device: what every
-    lossless test compares metasd's output with."""
-    import torch
-
-    input_ids = torch.tensor([ids], device=next(model.parameters()).device)
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                         max_new_tokens=max_new_tokens)
-    return out[0, len(ids):].tolist()

@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
-from conftest import greedy_reference
+from helpers import chi2, chi2_bound, greedy_reference
 from test_engine import CATEGORIES, MAX_NEW
-from test_sampling_distribution import DRAWS, _tiny, chi2, chi2_bound, draw, exact_pairs
+from test_sampling_distribution import DRAWS, _tiny, draw, exact_pairs
 
 from metasd import Decoder
 

@@ -4,12 +4,12 @@ import json
 from itertools import pairwise
 
 import pytest
-from conftest import greedy_reference
+from helpers import greedy_reference
 
 from metasd import Decoder, Draft
-from metasd.adaptive import AdaptivePolicy
 from metasd.drafters.ngram import NgramDrafter
 from metasd.drafters.suffix import SuffixDrafter
+from metasd.policy.adaptive import AdaptivePolicy
 from metasd.sampling import SamplingParams
 
 CATEGORIES = ["writing", "roleplay", "coding", "math", "extraction",

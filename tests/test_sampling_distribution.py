@@ -3,16 +3,16 @@ random model drafter (both with the embedded model's 49152-token tokenizer), man
 at temperature 0.7 with top-k and top-p, against the target's exact distribution of its first two tokens; and the
 same check fails when the drafter reports a q other than the one it drew from."""
 
-import math
 from collections import Counter
 
 import pytest
 import torch
+from helpers import chi2, chi2_bound
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from metasd import Decoder
-from metasd.adaptive import AdaptivePolicy
 from metasd.drafters.base import Draft
+from metasd.policy.adaptive import AdaptivePolicy
 from metasd.sampling import SamplingParams, probabilities
 
 PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
@@ -64,22 +64,6 @@ def exact_pairs(model: LlamaForCausalLM) -> dict[tuple[int, int], float]:
         for x2 in second.nonzero().flatten().tolist():
             out[(x1, x2)] = float(first[x1]) * float(second[x2])
     return out
-
-
-def chi2(counts: Counter, expected: dict, n: int) -> tuple[float, int]:
-    """Pearson's statistic (cells under 5 expected draws pooled) and its degrees of freedom; a draw outside the
-    target's support is infinitely unlikely."""
-    if any(cell not in expected for cell in counts):
-        return math.inf, 1
-    big = [c for c, p in expected.items() if p * n >= 5]
-    small = [c for c, p in expected.items() if p * n < 5]
-    cells = [([c], expected[c]) for c in big] + ([(small, sum(expected[c] for c in small))] if small else [])
-    return sum((sum(counts[c] for c in g) - n * p) ** 2 / (n * p) for g, p in cells), len(cells) - 1
-
-
-def chi2_bound(df: int, z: float = 5.0) -> float:
-    """Chi-square's upper quantile at normal z (Wilson-Hilferty); z = 5: a correct engine fails with p ~ 3e-7."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def draw(decoder: Decoder) -> tuple[Counter, int, int]:

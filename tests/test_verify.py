@@ -1,8 +1,17 @@
-"""The acceptance rule: greedy prefix matching, and the sampling rule's output distribution equals p."""
+"""The acceptance rules: greedy prefix matching; the sampling rule's output distribution equals p, for one token and
+over multi-token drafts against the exact distribution (Monte Carlo on a tiny vocabulary, with a control that breaks
+q and must fail); and `probabilities` against transformers' own logits warpers."""
+
+import math
+from collections import Counter
+from itertools import product
 
 import pytest
 import torch
+from helpers import chi2, chi2_bound
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from metasd.sampling import SamplingParams, probabilities
 from metasd.verify import Verdict, verify_greedy, verify_sampling
 
 V = 6
@@ -90,3 +99,104 @@ def test_greedy_accepts_longest_matching_prefix_then_target_token():
     assert verify_greedy(logits, [3, 2, 4]) == Verdict(1, 1)  # rejected at position 1: target's token there
     assert verify_greedy(logits, [0, 1, 4]) == Verdict(0, 3)
     assert verify_greedy(logits[:1], []) == Verdict(0, 3)  # empty draft: one plain target step
+
+
+# --- probabilities == transformers' TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper -> softmax ----
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.7])
+@pytest.mark.parametrize("top_k", [0, 1, 5, 40])
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 0.05])
+def test_probabilities_match_transformers_warpers(temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(hash((temperature, top_k, top_p)) % 2**31)
+    logits = torch.randn(6, 300, generator=gen) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    want = torch.softmax(scores, dim=-1)
+    got = probabilities(logits, SamplingParams(temperature, top_k, top_p))
+    assert torch.equal(got > 0, want > 0)  # the same support, token for token
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_tiny_temperatures_are_greedy_and_never_nan():
+    logits = torch.randn(4, 1000) * 30
+    for temperature in (0.0, 1e-300, 5e-324, 9.99e-6):
+        assert SamplingParams(temperature).greedy
+    for temperature in (1e-5, 1e-4, 0.01):
+        params = SamplingParams(temperature, 0, 1e-300)
+        assert not params.greedy
+        probs = probabilities(logits, params)
+        assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(4))
+
+
+# --- verify_sampling: multi-token drafts, with and without q ----------------------------------------------------
+
+SEQ_V, SEQ_K, SEQ_L = 4, 2, 3  # vocabulary, draft length, tokens per sampled sequence
+
+
+def _table(seed: int, zero: int | None) -> dict[tuple[int, ...], torch.Tensor]:
+    """A next-token distribution for every prefix shorter than SEQ_L; `zero` gets no mass after odd-length prefixes (as
+    top-k would cut it), so drafts can propose tokens the target never emits and vice versa."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = {}
+    for n in range(SEQ_L):
+        for prefix in product(range(SEQ_V), repeat=n):
+            row = torch.softmax(torch.randn(SEQ_V, generator=gen) * 1.5, dim=-1)
+            if zero is not None and n % 2 == 1:
+                row[zero] = 0.0
+                row /= row.sum()
+            rows[prefix] = row
+    return rows
+
+
+SEQ_P = _table(1, zero=3)
+SEQ_Q = _table(2, zero=0)
+
+
+def exact() -> dict[tuple[int, ...], float]:
+    out = {}
+    for seq in product(range(SEQ_V), repeat=SEQ_L):
+        out[seq] = math.prod(float(SEQ_P[seq[:i]][seq[i]]) for i in range(SEQ_L))
+    return out
+
+
+def sample(n: int, seed: int, drafter: str) -> Counter:
+    """n sequences of SEQ_L tokens through speculative rounds of up to SEQ_K drafted tokens, as the engine runs them.
+
+    drafter: "q" (draws from SEQ_Q and reports it), "one-hot" (Q's argmax, q None), "wrong-q" (draws from SEQ_Q but
+    reports SEQ_Q sharpened, as if processed at another temperature: must be caught)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = Counter()
+    for _ in range(n):
+        out: list[int] = []
+        while len(out) < SEQ_L:
+            k = min(SEQ_K, SEQ_L - len(out) - 1)
+            draft, rows = [], []
+            for _ in range(k):
+                q = SEQ_Q[tuple(out + draft)]
+                token = int(torch.argmax(q)) if drafter == "one-hot" else int(torch.multinomial(q, 1, generator=gen))
+                reported = q ** 3 / (q ** 3).sum() if drafter == "wrong-q" else q
+                draft.append(token)
+                rows.append(reported)
+            p = torch.stack([SEQ_P[tuple(out + draft[:j])] for j in range(k + 1)])
+            q_rows = None if drafter == "one-hot" or not rows else torch.stack(rows)
+            verdict = verify_sampling(p, q_rows, draft, gen)
+            assert 0 <= verdict.accepted <= len(draft)
+            out += draft[: verdict.accepted] + [verdict.next_token]
+        counts[tuple(out[:SEQ_L])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("drafter", ["q", "one-hot"])
+def test_verify_sampling_emits_exactly_the_target_distribution(drafter):
+    n = 12_000
+    stat, df = chi2(sample(n, seed=7, drafter=drafter), exact(), n)
+    assert stat < chi2_bound(df), (stat, df)
+
+
+def test_verify_sampling_check_catches_a_q_that_is_not_what_was_drawn():
+    n = 12_000
+    stat, df = chi2(sample(n, seed=7, drafter="wrong-q"), exact(), n)
+    assert stat > 3 * chi2_bound(df), (stat, df)  # the test above has the power to see a broken q

@@ -2,7 +2,7 @@
 
 from .drafters import Draft, Drafter, build_drafter
 from .engine import Decoder, Generation, GenerationResult
-from .policies import Policy, build_policy
+from .policy import Policy, build_policy
 from .sampling import SamplingParams
 from .stats import GenerationStats
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from .embedded import cache_dir
-from .linear_kernels import KERNELS, install
+from .models.embedded import cache_dir
+from .models.linear_kernels import KERNELS, install
 
 
 class _Mean:

@@ -15,21 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .adaptive import DEFAULTS as ADAPTIVE_DEFAULTS
-from .adaptive import AdaptivePolicy
 from .cached_model import CachedModel
 from .costs import CostModel, TargetCost, load_or_calibrate
 from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, parse_drafters
 from .drafters.base import StoppableDrafter
-from .linear_kernels import KERNEL_MODES
-from .models import LoadedModel, load_model
+from .models.linear_kernels import KERNEL_MODES
+from .models.loading import LoadedModel, load_model
 from .outcome import Extension, RoundOutcome
-from .policies import Policy, build_policy, canonical_policy
+from .policy import DEFAULT_POLICY, Policy, build_policy, canonical_policy
+from .policy.adaptive import DEFAULTS as ADAPTIVE_DEFAULTS
+from .policy.adaptive import AdaptivePolicy
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats, Round
 from .verify import verify_greedy, verify_sampling
 
-DEFAULT_POLICY = "metasd-adaptive"
 _POLICY_CACHE = 64  # policies kept per decoder (LRU): clients can name many distinct policies and pools
 
 Prompt = str | list[dict] | list[int]  # text, chat messages, or token ids

@@ -187,7 +187,7 @@ def summarize_drift(requests: list[DriftRequest], results: dict, methods: Sequen
 def add_drift(cfg, summary: dict, results: dict, out: Path) -> None:
     """For a --drift run: write drift_prompts.jsonl into `out` and the drift section into the summary. The
     boundary needs the tokenizer: the target's, loaded once per process (already loaded in the measuring one)."""
-    from ..models import load_tokenizer
+    from ..models.loading import load_tokenizer
 
     requests = drift_requests(load_questions(cfg.questions), cfg.seed, cfg.per_category, cfg.categories)
     write_prompts(out / "drift_prompts.jsonl", requests)

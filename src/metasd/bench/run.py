@@ -90,7 +90,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from tqdm.auto import tqdm
 
     from ..engine import Decoder
-    from ..linear_kernels import installed
+    from ..models.linear_kernels import installed
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..policies import _ArmStats
+from ..policy import ArmStats
 from ..stats import Round
 from .questions import Question
 
@@ -190,7 +190,7 @@ def hf_turn(decoder, mode: str, max_new_tokens: int, draft_len: int, assistant: 
     return run
 
 
-class ScriptedPolicy(_ArmStats):
+class ScriptedPolicy(ArmStats):
     """Replays a hindsight plan: at each round, the (drafter, k) `script(position)` names for the current position.
 
     It plugs into a Generation like any bandit; `bind` gives it the Generation so it can read how many tokens are

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..int8_weights import WEIGHTS, split_weights
-from ..models import LoadedModel, load_model, same_tokenizer
+from ..models.int8_weights import WEIGHTS, split_weights
+from ..models.loading import LoadedModel, load_model, same_tokenizer
 from .base import Draft, Drafter
 from .datastore import DatastoreDrafter, load_datastore
 from .early_exit import EarlyExitDrafter

@@ -17,8 +17,8 @@ class Draft:
     q: torch.Tensor | None = None  # [len(tokens), V] probabilities the tokens were drawn from; None = one-hot
     # Per token, the drafter's own signal in [0, 1] of how sure it is (n-gram match length, the suffix index's
     # continuation share, a model's probability of its token); None when it has none (NaN: none for that token).
-    # Policies learn what each level of a drafter's signal is worth in accepted tokens (metasd.acceptance), so the
-    # scale need not be calibrated.
+    # Policies learn what each level of a drafter's signal is worth in accepted tokens (metasd.policy.acceptance), so
+    # the scale need not be calibrated.
     confidence: list[float] | None = None
 
     def truncated(self, k: int) -> Draft:

@@ -1,6 +1,6 @@
 """Retrieval drafting from a token datastore (after REST, He et al. 2023): `datastore:PATH`.
 
-An index (built by `metasd index`, see `metasd.index`) is a directory of three files:
+An index (built by `metasd index`, see `metasd.specialists.index`) is a directory of three files:
 
 - `tokens.npy`: every document of the corpus tokenized with the target's tokenizer, one after another, each followed
   by a separator (-1), as big-endian int32 (`>i4`) so that comparing raw bytes compares token sequences;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cached_model import CachedModel
-from ..int8_weights import drafting_weights
+from ..models.int8_weights import drafting_weights
 from ..sampling import SamplingParams, pick, probabilities
 from .base import Draft, StopRule
 

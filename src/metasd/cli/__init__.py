@@ -1,0 +1,26 @@
+"""The `metasd` command: generate, serve, calibrate, bench, index and distill, one module each."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import bench, calibrate, distill, generate, index, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="metasd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in (generate, serve, calibrate, bench, index, distill):
+        command.add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        args.handler(args)
+    except ValueError as err:
+        print(f"metasd: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

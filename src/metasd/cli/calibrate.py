@@ -1,0 +1,36 @@
+"""`metasd calibrate`: measure T(M), the target's forward time for M new tokens, and cache it."""
+
+from __future__ import annotations
+
+import argparse
+
+from .args import add_device_args, add_model_args, set_threads
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    cal = sub.add_parser("calibrate", help="measure T(M), the target's forward time for M new tokens, and cache it")
+    cal.add_argument("--max-tokens", type=int, default=13, help="largest M (default: %(default)s)")
+    cal.add_argument("--refresh", action="store_true", help="measure again even if the cache has this machine's table")
+    add_model_args(cal)
+    add_device_args(cal)
+    cal.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    if not 1 <= args.max_tokens <= 256:
+        raise ValueError(f"--max-tokens must be in 1..256, got {args.max_tokens}")
+    set_threads(args.threads)
+    from ..costs import cache_file, calibration_key, load_or_calibrate
+    from ..models.linear_kernels import KERNEL_MODES
+    from ..models.loading import load_model
+
+    target = load_model(args.target, args.dtype, args.device)
+    candidates = KERNEL_MODES[args.kernels]
+    found = load_or_calibrate(target.spec, target.model, args.max_tokens, refresh=args.refresh, candidates=candidates)
+    table = found.table
+    key = calibration_key(target.spec, target.model, args.max_tokens, candidates)
+    print(f"T(M) for {key['model']} ({key['dtype']}, {key['threads']} threads, {key['device']}); "
+          f"cache: {cache_file(key)}")
+    print(f"{'M':>4} {'ms':>9} {'T(M)/T(1)':>10}  linear kernel")
+    for m, (t, kernel) in enumerate(zip(table, found.kernels, strict=True), 1):
+        print(f"{m:>4} {t * 1000:>9.2f} {t / table[0]:>10.2f}  {kernel}")

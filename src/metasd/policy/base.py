@@ -1,0 +1,147 @@
+"""The policy interface the engine drives, and the arm statistics every classic bandit shares.
+
+Choosing a drafter each round is a multi-armed bandit (MetaSD, Kim, Jung & Yun, arXiv 2604.05417): a classic
+policy sees only the arm it picked and the reward in [0, 1] the engine computed for it, and keeps per-arm
+``pulls`` and ``mean_rewards`` so the engine can report statistics whichever policy ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from ..drafters.base import Draft, StopRule
+from ..outcome import RoundOutcome
+from .hindsight import Hindsight
+from .rewards import reward
+
+
+class Policy(Protocol):
+    """What the engine needs: choose (drafter, draft length), learn from the round, forget at a request's start.
+
+    The classic bandits below choose only the drafter (k is the decoder's draft length) and learn through
+    select / update / observe; `metasd.policy.adaptive` chooses both from measured costs.
+    """
+
+    reward: str  # which reward the policy learns from: see metasd.policy.rewards.REWARDS ("rate" for metasd-adaptive)
+    full_information: bool  # also learns, in hindsight, from every free drafter that did not draft the round
+    wants_proposals: bool  # the engine asks every free drafter for a proposal each round, before choose()
+    extends: bool  # the engine offers a model drafter's draft for continuation by a free drafter (`extension`)
+    max_draft: int | None  # longest draft it may choose; None: the decoder's draft_len
+    pulls: list[int]
+    mean_rewards: list[float]
+
+    def choose(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int], *, remaining: int | None = None,
+               fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
+        """The drafter (None: a plain step) and draft length (<= k) of this round. lags: tokens each drafter must
+        take in before drafting (its prompt when fresh: it has not drafted in this request yet); remaining: the
+        tokens the request may still generate."""
+    def stop_rule(self, arm: int, k: int) -> StopRule | None: ...
+    def extension(self, arm: int, draft: Draft, proposals: Mapping[int, Draft]) -> tuple[int, int] | None:
+        """After model drafter `arm` drafted: which free drafter's proposal for the context extended by the draft
+        to append, and how many of its tokens (None: none). Asked only of policies with `extends`."""
+    def feedback(self, outcome: RoundOutcome) -> float | None: ...
+    def finish(self, context: list[int]) -> None: ...  # the request ended with this context
+    def reset(self) -> None: ...
+
+
+class ArmStats:
+    """Per-arm counts and running means shared by the classic bandits; reset() forgets them.
+
+    It also adapts them to the engine's interface: choose() is select() at the full draft length, feedback()
+    computes the policy's reward and calls update(), and (full information) scores every other free drafter's
+    proposal once the output has decided it (`metasd.policy.hindsight`), through observe().
+    """
+
+    full_information = False
+    extends = False  # the paper's bandits score whole drafts of the drafter they picked
+    max_draft: int | None = None
+
+    def __init__(self, n_arms: int, reward: str = "bd") -> None:
+        if n_arms < 1:
+            raise ValueError("a policy needs at least one drafter")
+        self.n_arms = n_arms
+        self.reward = reward
+        self.hindsight = Hindsight()
+        self.reset()
+
+    @property
+    def wants_proposals(self) -> bool:
+        return self.full_information
+
+    def reset(self) -> None:
+        self.pulls = [0] * self.n_arms
+        self.mean_rewards = [0.0] * self.n_arms
+        self.rounds = 0
+        self.hindsight.clear()
+
+    def state(self) -> dict:
+        """Sufficient statistics (per-arm pulls and reward sums, rounds played): what replicas share."""
+        return {"pulls": list(self.pulls), "sums": [m * n for m, n in zip(self.mean_rewards, self.pulls, strict=True)],
+                "rounds": self.rounds}
+
+    def merge(self, delta: dict) -> None:
+        """Add statistics learned elsewhere (a `state()`, or the difference of two) to this policy's."""
+        if len(delta["pulls"]) != self.n_arms or len(delta["sums"]) != self.n_arms:
+            raise ValueError(f"statistics of {len(delta['pulls'])} arms cannot merge into {self.n_arms}")
+        for arm, (n, total) in enumerate(zip(delta["pulls"], delta["sums"], strict=True)):
+            pulls = self.pulls[arm] + n
+            if pulls < 0:
+                raise ValueError(f"merging leaves arm {arm} with {pulls} pulls")
+            self.mean_rewards[arm] = (self.mean_rewards[arm] * self.pulls[arm] + total) / pulls if pulls else 0.0
+            self.pulls[arm] = pulls
+        self.rounds += delta["rounds"]
+
+    def choose(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int], *, remaining: int | None = None,
+               fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
+        return self.select(), k
+
+    def select(self) -> int:
+        raise NotImplementedError
+
+    def stop_rule(self, arm: int, k: int) -> StopRule | None:
+        return None
+
+    def feedback(self, outcome: RoundOutcome) -> float | None:
+        if outcome.arm is None:
+            return None
+        d = outcome.draft
+        score = reward(self.reward, outcome.p, d.q, d.tokens, outcome.accepted, outcome.k, outcome.draft_time,
+                       outcome.verify_time, outcome.target_tokens)
+        self.update(outcome.arm, score)
+        if self.full_information:
+            for arm, draft in outcome.proposals.items():
+                if arm != outcome.arm:  # an empty proposal is decided at once: it earns the target's token only
+                    self.hindsight.add(arm, outcome.start, draft.tokens[: outcome.k] or [-1], outcome)
+            self._judge(outcome.context, final=False)
+        return score
+
+    def finish(self, context: list[int]) -> None:
+        self._judge(context, final=True)
+
+    def _judge(self, context: list[int], final: bool) -> None:
+        """Hindsight rewards (be-cost style: a drafter's accepted length is all a draft without q shows)."""
+        for d in self.hindsight.resolve(context, final):
+            o: RoundOutcome = d.pending.info
+            self.observe(d.pending.arm, reward(self.reward, None, None, d.pending.tokens, d.matched, o.k, 0.0,
+                                               o.verify_time, d.pending.tokens[: d.matched]))
+
+    def update(self, arm: int, reward: float) -> None:
+        self._record(arm, reward)
+
+    def observe(self, arm: int, reward: float) -> None:
+        """Learn an arm's reward without a round played: t in UCB's bonus counts selections only, or the arms
+        that are never observed for free would get an exploration bonus that grows with every free observation."""
+        self._record(arm, reward, played=False)
+
+    def _record(self, arm: int, reward: float, played: bool = True) -> float:
+        """Validate and record one observation; returns the reward clipped to [0, 1]."""
+        if not 0 <= arm < self.n_arms:
+            raise ValueError(f"arm {arm} out of range for {self.n_arms} drafters")
+        if not -1e-9 <= reward <= 1 + 1e-9:  # tolerate float round-off only; NaN fails here too
+            raise ValueError(f"reward must be in [0, 1], got {reward}")
+        reward = min(max(reward, 0.0), 1.0)
+        self.pulls[arm] += 1
+        self.mean_rewards[arm] += (reward - self.mean_rewards[arm]) / self.pulls[arm]
+        self.rounds += played
+        return reward

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible HTTP server, Ray Serve replicas and incremental detokenization."""

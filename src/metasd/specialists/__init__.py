@@ -1,0 +1,1 @@
+"""Building task-specialised drafters: token datastores (`metasd index`) and distilled drafters (`metasd distill`)."""

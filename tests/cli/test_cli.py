@@ -1,0 +1,88 @@
+"""`metasd generate` and `calibrate`: the JSON contract, prompt files, T(M), clear errors with a non-zero exit."""
+
+import json
+
+import pytest
+import torch
+
+from metasd.cli import main
+
+
+def run(capsys, *argv):
+    code = main(["generate", "--drafters", "ngram,suffix", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output_contract(capsys, embedded):
+    code, out, _ = run(capsys, "--prompt", "Name three colors.", "--max-new-tokens", "12", "--json")
+    assert code == 0
+    record = json.loads(out)
+    assert set(record) >= {"text", "token_ids", "stats"}
+    stats = record["stats"]
+    for key in ("new_tokens", "rounds", "mean_accepted_tokens", "tokens_per_second", "switches", "catch_up_tokens"):
+        assert key in stats
+    assert stats["new_tokens"] == len(record["token_ids"]) <= 12
+    assert set(stats["drafters"]) <= {"ngram", "suffix"}
+    assert all(set(d) == {"pulls", "drafted", "accepted", "mean_reward"} for d in stats["drafters"].values())
+    assert record["text"] == embedded.tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+
+
+def test_prompt_file_gives_one_result_per_line(capsys, tmp_path, embedded):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Say hi."}\n\n{"prompt": "Say bye."}\n')
+    code, out, _ = run(capsys, "--prompt-file", str(path), "--max-new-tokens", "6", "--json", "--raw")
+    assert code == 0
+    assert len([json.loads(line) for line in out.splitlines()]) == 2
+
+
+def test_plain_output_prints_text_and_statistics(capsys, embedded):
+    code, out, err = run(capsys, "--prompt", "Say hi.", "--max-new-tokens", "6", "--policy", "none")
+    assert code == 0 and out.strip()
+    assert "tok/s" in err and "mean accepted tokens" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["--prompt", "hi", "--top-p", "0"], "top_p"),
+        (["--prompt", "hi", "--top-p", "1.01"], "top_p"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+        (["--prompt", "hi", "--drafters", "medusa"], "unknown drafter"),
+        (["--prompt", "hi", "--policy", "thompson"], "unknown policy"),
+        (["--prompt", "hi", "--target", "/no/such/model"], "not found"),
+        (["--prompt", "hi", "--drafters", "lm:/no/such/model"], "not found"),
+        (["--prompt-file", "/no/such/file.jsonl"], "cannot read"),
+        *([(["--prompt", "hi", "--device", "cuda"], "no CUDA device")] if not torch.cuda.is_available() else []),
+        ([], "--prompt"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_nonzero_exit(capsys, embedded, argv, message):
+    code = main(["generate", *argv])
+    _, err = capsys.readouterr()
+    assert code != 0
+    assert message in err and "Traceback" not in err
+
+
+def test_malformed_prompt_file(capsys, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\nnot json\n')
+    assert main(["generate", "--prompt-file", str(path)]) != 0
+    assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_calibrate_prints_the_table_and_the_kernel_of_each_m(capsys, embedded):
+    from metasd.models.linear_kernels import KERNELS, install, installed
+
+    before = installed(embedded.model)
+    try:
+        for mode, allowed in (("torch", {"linear"}), ("auto", set(KERNELS))):
+            assert main(["calibrate", "--max-tokens", "3", "--kernels", mode]) == 0
+            rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+            assert [int(r[0]) for r in rows] == [1, 2, 3]
+            assert all(float(r[1]) > 0 for r in rows) and {r[3] for r in rows} <= allowed
+    finally:
+        if before is not None:
+            install(embedded.model, before)

@@ -1,0 +1,33 @@
+"""Helpers shared by the tests: the target's own greedy reference and the chi-square check of sampled outputs."""
+
+import math
+from collections import Counter
+
+
+def greedy_reference(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own greedy continuation through transformers' generate(), on the model's device: what every
+    lossless test compares metasd's output with."""
+    import torch
+
+    input_ids = torch.tensor([ids], device=next(model.parameters()).device)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         max_new_tokens=max_new_tokens)
+    return out[0, len(ids):].tolist()
+
+
+def chi2(counts: Counter, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic, cells with an expected count under 5 pooled into one; (statistic, degrees of freedom).
+    A draw outside the expected support makes it infinite."""
+    if any(cell not in expected or expected[cell] == 0 for cell in counts):
+        return math.inf, 1
+    big = [c for c, p in expected.items() if p * n >= 5]
+    small = [c for c, p in expected.items() if 0 < p * n < 5]
+    cells = [([c], expected[c]) for c in big] + ([(small, sum(expected[c] for c in small))] if small else [])
+    stat = sum((sum(counts[c] for c in group) - n * p) ** 2 / (n * p) for group, p in cells)
+    return stat, len(cells) - 1
+
+
+def chi2_bound(df: int, z: float = 5.0) -> float:
+    """Upper quantile of chi-square with df degrees of freedom at a normal z (Wilson-Hilferty); z = 5 is a tail of
+    about 3e-7, so a correct sampler fails about never (the seeds make each run deterministic anyway)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

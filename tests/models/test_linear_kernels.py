@@ -1,0 +1,110 @@
+"""The routed linear layers compute what nn.Linear computes, survive a copy, and keep decoding lossless."""
+
+import copy
+import json
+
+import pytest
+import torch
+from helpers import greedy_reference
+
+from metasd import Decoder
+from metasd.models.linear_kernels import KERNELS, RoutedLinear, install, installed
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_weight_major_matches_torch_linear_with_and_without_bias(rows):
+    torch.manual_seed(rows)
+    for bias in (True, False):
+        layer = torch.nn.Linear(24, 40, bias=bias)
+        x = torch.randn(1, rows, 24)
+        expected = layer(x)
+        holder = torch.nn.Sequential(layer)
+        install(holder, ["weight-major"] * 8)
+        assert type(layer) is RoutedLinear
+        got = layer(x)
+        assert got.shape == expected.shape and got.is_contiguous()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        # the rows of a batch of two sequences count together: 2 x rows rows
+        torch.testing.assert_close(layer(x.repeat(2, 1, 1)), expected.repeat(2, 1, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_install_routes_by_row_count_and_leaves_longer_inputs_to_torch(monkeypatch):
+    model = tiny_llama()
+    install(model, ["linear", "weight-major"])
+    assert installed(model) == ["linear", "weight-major"]
+    calls = []
+    import metasd.models.linear_kernels as lk
+
+    real = lk._weight_major
+    monkeypatch.setattr(lk, "_weight_major", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        for rows in (1, 2, 3):
+            calls.clear()
+            model(input_ids=torch.arange(rows)[None])
+            assert bool(calls) == (rows == 2), rows  # M = 2 weight-major; M = 1 and M beyond the table: torch's
+    with pytest.raises(ValueError, match="unknown linear kernels"):
+        install(model, ["linear", "mkl"])
+
+
+def test_a_copied_model_computes_with_its_own_weights():
+    """A routed layer must not keep pointing at the original's weights once copied (distillation copies layers)."""
+    model = tiny_llama()
+    install(model, ["weight-major"] * 4)
+    clone = copy.deepcopy(model)
+    ids = torch.arange(3)[None]
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        for p in clone.parameters():
+            p.add_(0.5)
+        assert torch.equal(model(input_ids=ids).logits, before)
+        assert not torch.allclose(clone(input_ids=ids).logits, before)
+    assert installed(clone) == ["weight-major"] * 4
+
+
+def test_quantized_or_other_linear_subclasses_keep_their_forward():
+    class Custom(torch.nn.Linear):
+        pass
+
+    holder = torch.nn.Sequential(Custom(4, 4), torch.nn.Linear(4, 4))
+    install(holder, ["weight-major"])
+    assert type(holder[0]) is Custom and type(holder[1]) is RoutedLinear
+
+
+def test_decoding_on_the_weight_major_kernel_is_lossless(embedded, questions_path):
+    """Whatever this machine's calibration chose, run every M on the kernel that is not torch's own, and check
+    speculative decoding against the target's own greedy output computed on the same layers."""
+    decoder = Decoder(drafters=["ngram", "lm:embedded:unquantized"], policy="fixed:ngram", draft_len=6)
+    chosen = installed(decoder.target.model)
+    assert chosen is not None and set(chosen) <= set(KERNELS)  # the decoder calibrated and routed its target
+    questions = [json.loads(line) for line in questions_path.read_text().splitlines()]
+    try:
+        install(decoder.target.model, ["weight-major"] * 16)
+        for category in ("summarization", "coding", "math_reasoning"):
+            ids = decoder.encode(next(q for q in questions if q["category"] == category)["turns"][0])
+            reference = greedy_reference(decoder.target.model, ids, 24)
+            for policy in ("fixed:ngram", "fixed:lm:embedded:unquantized"):
+                got = decoder.generate(ids, max_new_tokens=24, policy=policy)
+                assert got.token_ids == reference, (category, policy)
+    finally:
+        install(decoder.target.model, chosen)
+
+
+def test_torch_mode_keeps_torch_linear_everywhere(embedded):
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        Decoder(drafters=["ngram"], kernels="fastest")
+    before = installed(embedded.model)
+    try:
+        decoder = Decoder(drafters=["ngram"], policy="none", kernels="torch")
+        assert installed(decoder.target.model) == ["linear"] * decoder.cost_model().target.max_tokens
+    finally:
+        if before is not None:
+            install(embedded.model, before)
