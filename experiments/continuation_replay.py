@@ -29,8 +29,9 @@ GREEDY = SamplingParams()
 
 
 def matched(draft: list[int], reference: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(draft, reference, strict=False)) if a != b),
-                min(len(draft), len(reference)))
+    return next(
+        (i for i, (a, b) in enumerate(zip(draft, reference, strict=False)) if a != b), min(len(draft), len(reference))
+    )
 
 
 def main() -> None:
@@ -62,20 +63,24 @@ def main() -> None:
         continuation = []
         for pos in range(n):
             context = prompt + out[:pos]
-            continuation.append(max(matched(d.propose(context, 5, GREEDY, None).tokens, out[pos:])
-                                    for d in (ngram, suffix)))
+            continuation.append(
+                max(matched(d.propose(context, 5, GREEDY, None).tokens, out[pos:]) for d in (ngram, suffix))
+            )
         suffix.end(prompt + out)
         for i in range(n - 3):
             for k in (1, 2, 3):
-                rows.setdefault(q.group, []).append((k, min(run[i], k), run[i] >= k,
-                                                     continuation[i + k] if run[i] >= k else 0))
+                rows.setdefault(q.group, []).append(
+                    (k, min(run[i], k), run[i] >= k, continuation[i + k] if run[i] >= k else 0)
+                )
     for group, r in rows.items():
         r = np.array(r, dtype=float)
         cells = []
         for k in (1, 2, 3):
             s = r[r[:, 0] == k]
-            cells.append(f"k={k}: model {s[:, 1].mean():.2f}, whole {s[:, 2].mean():.2f}, continuation "
-                         f"{s[:, 3].mean():.2f} (+{s[:, 3].mean() / (1 + s[:, 1].mean()):.0%})")
+            cells.append(
+                f"k={k}: model {s[:, 1].mean():.2f}, whole {s[:, 2].mean():.2f}, continuation "
+                f"{s[:, 3].mean():.2f} (+{s[:, 3].mean() / (1 + s[:, 1].mean()):.0%})"
+            )
         print(f"{group:15s} " + " | ".join(cells))
 
 

@@ -54,9 +54,16 @@ def measure(replicas: int, clients: int, requests: int, max_tokens: int, port: i
             start = time.perf_counter()
             tokens = list(pool.map(lambda p: _ask(url, p, max_tokens), prompts))
             wall = time.perf_counter() - start
-        return {"replicas": replicas, "clients": clients, "requests": requests, "max_tokens": max_tokens,
-                "wall_s": round(wall, 2), "requests_per_s": round(requests / wall, 3),
-                "tokens_per_s": round(sum(tokens) / wall, 2), "completion_tokens": sum(tokens)}
+        return {
+            "replicas": replicas,
+            "clients": clients,
+            "requests": requests,
+            "max_tokens": max_tokens,
+            "wall_s": round(wall, 2),
+            "requests_per_s": round(requests / wall, 3),
+            "tokens_per_s": round(sum(tokens) / wall, 2),
+            "completion_tokens": sum(tokens),
+        }
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -68,8 +75,8 @@ def measure(replicas: int, clients: int, requests: int, max_tokens: int, port: i
 
 def main() -> None:
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--clients", type=int, default=16)

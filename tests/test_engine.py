@@ -12,13 +12,33 @@ from metasd.drafters.suffix import SuffixDrafter
 from metasd.policy.adaptive import AdaptivePolicy
 from metasd.sampling import SamplingParams
 
-CATEGORIES = ["writing", "roleplay", "coding", "math", "extraction",
-              "translation", "summarization", "qa", "math_reasoning", "rag"]
+CATEGORIES = [
+    "writing",
+    "roleplay",
+    "coding",
+    "math",
+    "extraction",
+    "translation",
+    "summarization",
+    "qa",
+    "math_reasoning",
+    "rag",
+]
 MAX_NEW = 32
 GROUP_CASES = ("writing", "translation", "summarization", "qa", "math_reasoning", "rag")  # one per Spec-Bench group
 DRAFTER_CASES = ("writing", "coding", "translation", "summarization", "math_reasoning")  # prose, code, copying, math
-OTHER_POLICIES = ["none", "metasd-ucb-cost", "metasd-fi", "ucb-be", "exp3", "sequential-halving", "random",
-                  "round-robin", "ducb", "swucb:4"]
+OTHER_POLICIES = [
+    "none",
+    "metasd-ucb-cost",
+    "metasd-fi",
+    "ucb-be",
+    "exp3",
+    "sequential-halving",
+    "random",
+    "round-robin",
+    "ducb",
+    "swucb:4",
+]
 # lm:embedded:unquantized is the target itself: it always agrees; lm:embedded:int8 is the target's int8 twin
 POOL = ["ngram", "suffix", "early-exit:8", "lm:embedded:unquantized", "lm:embedded:int8"]
 EXACT = "lm:embedded:unquantized"
@@ -92,9 +112,11 @@ def test_model_drafts_continued_by_free_drafters_are_lossless(decoder, cases, mo
     names = decoder.drafter_names
     early, model = names.index("early-exit:8"), names.index(EXACT)
     monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: ((early, model)[self.rounds % 2], 3))
-    monkeypatch.setattr(AdaptivePolicy, "extension",
-                        lambda self, arm, draft, after: next(((a, len(d.tokens)) for a, d in after.items()
-                                                              if d.tokens), None))
+    monkeypatch.setattr(
+        AdaptivePolicy,
+        "extension",
+        lambda self, arm, draft, after: next(((a, len(d.tokens)) for a, d in after.items() if d.tokens), None),
+    )
     continued, free = 0, [n for n in names if not decoder.drafters[n].has_cache]
     for category, ids, reference in cases:
         result = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="metasd-adaptive:extend=1")
@@ -174,7 +196,8 @@ def test_seeded_sampling_is_reproducible(embedded):
 
     def run(seed):
         return Decoder(drafters=POOL, policy="metasd-ucb", draft_len=4).generate(
-            "Tell me a story about a robot.", seed=seed, **options)
+            "Tell me a story about a robot.", seed=seed, **options
+        )
 
     a, b, c = run(7), run(7), run(8)
     assert a.token_ids == b.token_ids

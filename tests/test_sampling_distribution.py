@@ -23,9 +23,18 @@ PROMPT = [504, 2365, 314]  # any ids: the models are random
 def _tiny(path, tokenizer, seed: int, base=None, noise: float = 0.0) -> LlamaForCausalLM:
     """A one-layer Llama over the full vocabulary; its head scaled so that top-p keeps a handful of tokens."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         if base is not None:  # the drafter: the target's weights plus noise, so q is near p but not equal
@@ -52,6 +61,7 @@ def pair(embedded, tmp_path_factory):
 
 def exact_pairs(model: LlamaForCausalLM) -> dict[tuple[int, int], float]:
     """The target's own distribution of (first, second) token under PARAMS, from plain forwards."""
+
     def next_row(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
             ids = torch.tensor([ids], device=next(model.parameters()).device)
@@ -71,8 +81,9 @@ def draw(decoder: Decoder) -> tuple[Counter, int, int]:
     Returns the counts of (first, second) and the drafted / accepted totals."""
     counts, drafted, accepted = Counter(), 0, 0
     for seed in range(DRAWS):
-        result = decoder.generate(PROMPT, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k,
-                                  top_p=PARAMS.top_p, seed=seed)
+        result = decoder.generate(
+            PROMPT, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed
+        )
         counts[tuple(result.token_ids[:2])] += 1
         for d in result.stats.drafters().values():
             drafted, accepted = drafted + d.drafted, accepted + d.accepted
@@ -108,7 +119,7 @@ def test_the_check_fails_when_q_is_processed_differently(pair):
     drafter = decoder.drafters[decoder.drafter_names[0]]
 
     def sharpened(draft: Draft) -> Draft:
-        q = None if draft.q is None else draft.q ** 2 / (draft.q ** 2).sum(-1, keepdim=True)
+        q = None if draft.q is None else draft.q**2 / (draft.q**2).sum(-1, keepdim=True)
         return Draft(draft.tokens, q, draft.confidence)
 
     for method in ("propose", "propose_until"):
@@ -145,14 +156,16 @@ def test_a_model_draft_continued_by_a_free_drafter_keeps_the_distribution(pair, 
     """The first round drafts one token from the model drafter, then the free drafter's guess for the context it
     leads to (a one-hot row in q): the first two tokens must still follow the target's distribution."""
     target, target_dir, draft_dir = pair
-    decoder = Decoder(target=target_dir, drafters=[f"lm:{draft_dir}", TargetGuess(target)],
-                      policy="metasd-adaptive:extend=1")
+    decoder = Decoder(
+        target=target_dir, drafters=[f"lm:{draft_dir}", TargetGuess(target)], policy="metasd-adaptive:extend=1"
+    )
     monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: (0, 1))
     monkeypatch.setattr(AdaptivePolicy, "extension", lambda self, arm, draft, after: (1, 1) if after else None)
     counts, continued = Counter(), 0
     for seed in range(DRAWS):
-        result = decoder.generate(PROMPT, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k,
-                                  top_p=PARAMS.top_p, seed=seed)
+        result = decoder.generate(
+            PROMPT, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed
+        )
         counts[tuple(result.token_ids[:2])] += 1
         continued += result.stats.rounds[0].extended
     assert continued == DRAWS

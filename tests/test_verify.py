@@ -103,6 +103,7 @@ def test_greedy_accepts_longest_matching_prefix_then_target_token():
 
 # --- probabilities == transformers' TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper -> softmax ----
 
+
 @pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.7])
 @pytest.mark.parametrize("top_k", [0, 1, 5, 40])
 @pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 0.05])
@@ -177,7 +178,7 @@ def sample(n: int, seed: int, drafter: str) -> Counter:
             for _ in range(k):
                 q = SEQ_Q[tuple(out + draft)]
                 token = int(torch.argmax(q)) if drafter == "one-hot" else int(torch.multinomial(q, 1, generator=gen))
-                reported = q ** 3 / (q ** 3).sum() if drafter == "wrong-q" else q
+                reported = q**3 / (q**3).sum() if drafter == "wrong-q" else q
                 draft.append(token)
                 rows.append(reported)
             p = torch.stack([SEQ_P[tuple(out + draft[:j])] for j in range(k + 1)])

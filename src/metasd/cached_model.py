@@ -60,8 +60,10 @@ class CachedModel:
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last)
         if self.cache.get_seq_length() != len(tokens):
             # e.g. a transformers release whose forward ignores `cache=`: decoding would go on from garbage
-            raise RuntimeError(f"the KV cache holds {self.cache.get_seq_length()} tokens after a forward that "
-                               f"should leave {len(tokens)}; this transformers version is not supported")
+            raise RuntimeError(
+                f"the KV cache holds {self.cache.get_seq_length()} tokens after a forward that "
+                f"should leave {len(tokens)}; this transformers version is not supported"
+            )
         self.tokens = list(tokens)
         self.fed_tokens += len(new)
         logits = out.logits[0].float().cpu()  # the acceptance rule works on the CPU (see __init__)

@@ -173,8 +173,9 @@ class Calibration:
 
 
 @torch.inference_mode()
-def calibrate(model: torch.nn.Module, max_tokens: int, context: int = CONTEXT, reps: int = 5,
-              candidates: Sequence[str] = KERNELS) -> Calibration:
+def calibrate(
+    model: torch.nn.Module, max_tokens: int, context: int = CONTEXT, reps: int = 5, candidates: Sequence[str] = KERNELS
+) -> Calibration:
     """Median seconds of a cached forward over M new tokens after `context` cached tokens, M = 1 .. max_tokens,
     under each candidate linear kernel; the faster kernel per M is installed on `model` and its time kept.
 
@@ -249,8 +250,12 @@ def _read(path: Path, key: dict) -> Calibration | None:
             raise ValueError("it was measured for another model, dtype or machine")
         table = [float(t) for t in data["table"]]
         kernels = [str(k) for k in data["kernels"]]
-        if len(table) != key["max_tokens"] or any(not t > 0 for t in table) or len(kernels) != len(table) \
-                or not set(kernels) <= set(key["kernels"]):
+        if (
+            len(table) != key["max_tokens"]
+            or any(not t > 0 for t in table)
+            or len(kernels) != len(table)
+            or not set(kernels) <= set(key["kernels"])
+        ):
             raise ValueError("its table is malformed")
         return Calibration(table, kernels)
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -258,8 +263,9 @@ def _read(path: Path, key: dict) -> Calibration | None:
         return None
 
 
-def load_or_calibrate(spec: str, model: torch.nn.Module, max_tokens: int, refresh: bool = False,
-                      candidates: Sequence[str] = KERNELS) -> Calibration:
+def load_or_calibrate(
+    spec: str, model: torch.nn.Module, max_tokens: int, refresh: bool = False, candidates: Sequence[str] = KERNELS
+) -> Calibration:
     """T(M) for M = 1 .. max_tokens from the disk cache, else measured now (seconds) and cached; either way the
     model's linear layers are routed to the kernels the calibration chose among `candidates`."""
     key = calibration_key(spec, model, max_tokens, candidates)

@@ -160,8 +160,11 @@ class Decoder:
     def snapshot_policies(self) -> dict:
         """What the kept policies have learned, to `restore_policies` later (the benchmark measures a question
         several times from one state). The machine's cost model is not part of it: it stays shared and live."""
-        return {key: copy.deepcopy({k: v for k, v in vars(p).items() if k != "costs"})
-                for key, p in self._policies.items() if p is not None}
+        return {
+            key: copy.deepcopy({k: v for k, v in vars(p).items() if k != "costs"})
+            for key, p in self._policies.items()
+            if p is not None
+        }
 
     def restore_policies(self, snapshot: dict) -> None:
         """Back to a `snapshot_policies` state: policies made since are dropped (the next request makes them anew)."""
@@ -182,8 +185,12 @@ class Decoder:
         if isinstance(policy, AdaptivePolicy):
             costs = self.cost_model(policy.max_draft + 1)
             pool = [self.drafters[n] for n in names]
-            policy.attach(costs, names, [not d.has_cache for d in pool],
-                          [d.has_cache and isinstance(d, StoppableDrafter) for d in pool])
+            policy.attach(
+                costs,
+                names,
+                [not d.has_cache for d in pool],
+                [d.has_cache and isinstance(d, StoppableDrafter) for d in pool],
+            )
         if self.policy_scope == "server" or isinstance(policy, AdaptivePolicy):
             self._policies[key] = policy
             while len(self._policies) > _POLICY_CACHE:
@@ -194,8 +201,15 @@ class Decoder:
 class Generation:
     """One request in flight; iterate it to decode, stop iterating to abandon it."""
 
-    def __init__(self, decoder: Decoder, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                 policy: Policy | None, pool: list[Drafter]):
+    def __init__(
+        self,
+        decoder: Decoder,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        policy: Policy | None,
+        pool: list[Drafter],
+    ):
         self.decoder = decoder
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
@@ -217,8 +231,9 @@ class Generation:
         self._iter.close()
 
     def result(self) -> GenerationResult:
-        return GenerationResult(self.decoder.decode(self.token_ids), list(self.token_ids), self.stats,
-                                self.finish_reason)
+        return GenerationResult(
+            self.decoder.decode(self.token_ids), list(self.token_ids), self.stats, self.finish_reason
+        )
 
     def _rounds(self) -> Iterator[list[int]]:
         dec = self.decoder
@@ -257,8 +272,11 @@ class Generation:
         lags = [len(context) - synced[d.name] if d.has_cache else 0 for d in self.pool]
         fresh = [d.has_cache and d.name not in self._drafted for d in self.pool]
         proposals, proposal_times = self._proposals(context, limit) if policy and policy.wants_proposals else ({}, {})
-        arm, k = policy.choose(limit, proposals, lags, remaining=remaining, fresh=fresh) \
-            if policy is not None and limit > 0 else (None, 0)
+        arm, k = (
+            policy.choose(limit, proposals, lags, remaining=remaining, fresh=fresh)
+            if policy is not None and limit > 0
+            else (None, 0)
+        )
         t1 = time.perf_counter()
         draft = self._draft(arm, k, context, proposals, generator)
         t2 = time.perf_counter()
@@ -268,8 +286,9 @@ class Generation:
         logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
         in_sync = dec._lm.fed_tokens - fed == len(draft.tokens) + 1  # not the prompt's prefill: that is no T(M)
         p = None if params.greedy else probabilities(logits, params)
-        verdict = verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens,
-                                                                                          generator)
+        verdict = (
+            verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens, generator)
+        )
         t4 = time.perf_counter()
         new = self._emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
         start = len(context)
@@ -277,8 +296,21 @@ class Generation:
         self.token_ids += new
         costs = dec._costs
         draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)
-        outcome = RoundOutcome(arm, k, draft, verdict.accepted, start, context, p, verdict.target_tokens, proposals,
-                               draft_time, t4 - t3, costs.target(1) if costs else 0.0, extension)
+        outcome = RoundOutcome(
+            arm,
+            k,
+            draft,
+            verdict.accepted,
+            start,
+            context,
+            p,
+            verdict.target_tokens,
+            proposals,
+            draft_time,
+            t4 - t3,
+            costs.target(1) if costs else 0.0,
+            extension,
+        )
         score = policy.feedback(outcome) if policy is not None else None
         drafter = self.pool[arm] if arm is not None else None
         taken_in = lags[arm] if arm is not None else 0
@@ -294,10 +326,22 @@ class Generation:
                 costs.drafter(drafter.name).observe(outcome.own, taken_in, t2 - t1)
             costs.overhead.add(max(t5 - t0 - (t2 - t1) - (t4 - t3), 0.0))
         continued_by = self.pool[extension.arm].name if extension and extension.arm is not None else None
-        self.stats.rounds.append(Round(drafter.name if drafter else None, len(draft.tokens),
-                                       min(verdict.accepted, len(new)), score, missed, draft_time, t4 - t3,
-                                       (t5 - t0) - draft_time - (t4 - t3), len(new), k,
-                                       len(draft.tokens) - outcome.own, continued_by))
+        self.stats.rounds.append(
+            Round(
+                drafter.name if drafter else None,
+                len(draft.tokens),
+                min(verdict.accepted, len(new)),
+                score,
+                missed,
+                draft_time,
+                t4 - t3,
+                (t5 - t0) - draft_time - (t4 - t3),
+                len(new),
+                k,
+                len(draft.tokens) - outcome.own,
+                continued_by,
+            )
+        )
         return new
 
     def _proposals(self, context: list[int], k: int) -> tuple[dict[int, Draft], dict[int, float]]:
@@ -312,8 +356,9 @@ class Generation:
                 times[arm] = time.perf_counter() - start
         return drafts, times
 
-    def _draft(self, arm: int | None, k: int, context: list[int], proposals: dict[int, Draft],
-               generator: torch.Generator) -> Draft:
+    def _draft(
+        self, arm: int | None, k: int, context: list[int], proposals: dict[int, Draft], generator: torch.Generator
+    ) -> Draft:
         if arm is None or k == 0:
             return Draft([])
         if arm in proposals:  # deterministic tokens: cutting them to the chosen length biases nothing
@@ -324,14 +369,21 @@ class Generation:
             return drafter.propose_until(context, k, self.params, generator, stop)
         return drafter.propose(context, k, self.params, generator)
 
-    def _continue(self, arm: int | None, draft: Draft, context: list[int],
-                  limit: int) -> tuple[Draft, Extension | None]:
+    def _continue(
+        self, arm: int | None, draft: Draft, context: list[int], limit: int
+    ) -> tuple[Draft, Extension | None]:
         """A model drafter's draft, continued by a free drafter where the policy finds it pays (`limit` tokens in
         all at most): the free drafters propose for the context the model's tokens lead to (microseconds), and a
         copy that picks up there costs only its verification, nearly nothing where T(M) is flat. The proposals
         go to the policy even when none is appended: it learns what continuations are worth from all of them."""
-        if arm is None or not self.pool[arm].has_cache or not self.policy.extends or not draft.tokens \
-                or len(draft.tokens) >= limit or self.decoder.target.eos_token_ids.intersection(draft.tokens):
+        if (
+            arm is None
+            or not self.pool[arm].has_cache
+            or not self.policy.extends
+            or not draft.tokens
+            or len(draft.tokens) >= limit
+            or self.decoder.target.eos_token_ids.intersection(draft.tokens)
+        ):
             return draft, None
         after, _ = self._proposals(context + draft.tokens, limit - len(draft.tokens))
         choice = self.policy.extension(arm, draft, after)

@@ -108,8 +108,12 @@ class GenerationStats:
             "policy_time": round(sum(r.policy_time for r in self.rounds), 6),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
             "drafters": {
-                name: {"pulls": s.pulls, "drafted": s.drafted, "accepted": s.accepted,
-                       "mean_reward": round(s.mean_reward, 4)}
+                name: {
+                    "pulls": s.pulls,
+                    "drafted": s.drafted,
+                    "accepted": s.accepted,
+                    "mean_reward": round(s.mean_reward, 4),
+                }
                 for name, s in self.drafters().items()
             },
         }

@@ -172,8 +172,9 @@ class Constant:
 def test_acceptance_table_on_synthetic_drafters() -> None:
     prompt, reference = [9, 9, 9], [5, 6, 7, 8, 0, 0]
     model_like = Constant(has_cache=True)
-    table = acceptance_table([Copier(reference, len(prompt)), model_like, Constant(False)], prompt, reference,
-                             max_draft=3, max_new_tokens=6)
+    table = acceptance_table(
+        [Copier(reference, len(prompt)), model_like, Constant(False)], prompt, reference, max_draft=3, max_new_tokens=6
+    )
     assert table.budgets.tolist() == [3, 3, 3, 2, 1, 0]
     assert table.accepted[:, 0].tolist() == [3, 3, 3, 2, 1, 0]
     # token 0 matches the reference's 0 at positions 4 and 5 only (budget 1 at pos 4, none at pos 5)
@@ -225,16 +226,22 @@ def test_load_and_select_questions(questions_path: Path) -> None:
         select_questions(questions, ["qa"], 0)
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("", "holds no questions"),
-    ('{"question_id": 1, "category": "qa", "turns": ["hi"]}\nnot json\n', ":2: not JSON"),
-    ('[1, 2]\n', "expected a JSON object"),
-    ('{"question_id": "1", "category": "qa", "turns": ["hi"]}\n', "'question_id' must be an integer"),
-    ('{"question_id": 1, "turns": ["hi"]}\n', "'category'"),
-    ('{"question_id": 1, "category": "qa", "turns": []}\n', "'turns'"),
-    ('{"question_id": 1, "category": "qa", "turns": ["a"]}\n{"question_id": 1, "category": "qa", "turns": ["b"]}\n',
-     "appears twice"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "holds no questions"),
+        ('{"question_id": 1, "category": "qa", "turns": ["hi"]}\nnot json\n', ":2: not JSON"),
+        ("[1, 2]\n", "expected a JSON object"),
+        ('{"question_id": "1", "category": "qa", "turns": ["hi"]}\n', "'question_id' must be an integer"),
+        ('{"question_id": 1, "turns": ["hi"]}\n', "'category'"),
+        ('{"question_id": 1, "category": "qa", "turns": []}\n', "'turns'"),
+        (
+            '{"question_id": 1, "category": "qa", "turns": ["a"]}\n'
+            '{"question_id": 1, "category": "qa", "turns": ["b"]}\n',
+            "appears twice",
+        ),
+    ],
+)
 def test_malformed_questions_file(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "q.jsonl"
     path.write_text(content)
@@ -249,16 +256,30 @@ def test_missing_questions_file(tmp_path: Path) -> None:
 
 def test_resolve_methods() -> None:
     pool = ["ngram", "suffix"]
-    assert default_methods(pool) == ["ar", "hf-ar", "hf-pld", "fixed:ngram", "fixed:suffix", *POLICIES,
-                                     "oracle-round", "oracle-category"]
+    assert default_methods(pool) == [
+        "ar",
+        "hf-ar",
+        "hf-pld",
+        "fixed:ngram",
+        "fixed:suffix",
+        *POLICIES,
+        "oracle-round",
+        "oracle-category",
+    ]
     assert POLICIES[:6] == ("metasd-ucb", "ucb-be", "exp3", "sequential-halving", "random", "round-robin")
     assert "hf-assisted" in default_methods(["ngram", "lm:/m/small.gguf"])
     assert resolve_methods(["metasd-ucb", "hf-pld"], pool) == ["ar", "metasd-ucb", "hf-pld"]
     # oracle-category brings the fixed runs it is made of; specs map to pool names
     assert resolve_methods(["oracle-category"], ["ngram", "early-exit:7"], {"early-exit": "early-exit:7"}) == [
-        "ar", "fixed:ngram", "fixed:early-exit:7", "oracle-category"]
+        "ar",
+        "fixed:ngram",
+        "fixed:early-exit:7",
+        "oracle-category",
+    ]
     assert resolve_methods(["fixed:early-exit"], ["early-exit:7"], {"early-exit": "early-exit:7"}) == [
-        "ar", "fixed:early-exit:7"]
+        "ar",
+        "fixed:early-exit:7",
+    ]
     with pytest.raises(ValueError, match="unknown method 'turbo'"):
         resolve_methods(["turbo"], pool)
     with pytest.raises(ValueError, match="hf-assisted"):
@@ -274,9 +295,14 @@ def test_resolve_methods() -> None:
     assert label("lm:Qwen/Qwen2.5-0.5B:int8") == "lm:Qwen2.5-0.5B:int8"
     # --methods: a method with several parameters keeps its commas
     assert _list("ar, metasd-adaptive:spread=0,prior=5,beta=0.1,fixed:ngram,") == [
-        "ar", "metasd-adaptive:spread=0,prior=5,beta=0.1", "fixed:ngram"]
+        "ar",
+        "metasd-adaptive:spread=0,prior=5,beta=0.1",
+        "fixed:ngram",
+    ]
     assert resolve_methods(_list("metasd-adaptive:spread=0,prior=5,beta=0.1"), pool) == [
-        "ar", "metasd-adaptive:spread=0,prior=5,beta=0.1"]
+        "ar",
+        "metasd-adaptive:spread=0,prior=5,beta=0.1",
+    ]
     assert file_stem("fixed:lm:/a/b/qwen-0.5b.gguf") == "fixed-lm-qwen-0.5b"
 
 
@@ -293,22 +319,26 @@ def test_answer_line_and_mismatches() -> None:
     assert first_difference([1, 2], [1, 2, 3]) == 2
     other = QuestionRecord(q, [TurnRecord([1], [5, 6, 2], "x", 0.4, [3]), TurnRecord([1], [8], "z", 0.1, [1])])
     diffs = mismatches({"ar": {7: QuestionRecord(q, turns)}, "m": {7: other}})
-    assert diffs == [{"method": "m", "question_id": 7, "turn": 2, "first_difference": 0, "tokens": 1,
-                      "reference_tokens": 1}]
+    assert diffs == [
+        {"method": "m", "question_id": 7, "turn": 2, "first_difference": 0, "tokens": 1, "reference_tokens": 1}
+    ]
 
 
 # --- the CLI: errors before any model loads ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--questions", "/nonexistent/question.jsonl"], "questions file not found"),
-    (["--categories", "poetry"], "unknown category 'poetry'"),
-    (["--methods", "ar,turbo"], "unknown method 'turbo'"),
-    (["--methods", "hf-assisted"], "needs an lm:"),
-    (["--max-new-tokens", "0"], "max-new-tokens must be an integer >= 1"),
-    (["--preset", "qwen-coder", "--models-dir", "/nonexistent"], "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
-    (["--preset", "specialists", "--models-dir", "/nonexistent"], "scripts/build_specialists.py"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--questions", "/nonexistent/question.jsonl"], "questions file not found"),
+        (["--categories", "poetry"], "unknown category 'poetry'"),
+        (["--methods", "ar,turbo"], "unknown method 'turbo'"),
+        (["--methods", "hf-assisted"], "needs an lm:"),
+        (["--max-new-tokens", "0"], "max-new-tokens must be an integer >= 1"),
+        (["--preset", "qwen-coder", "--models-dir", "/nonexistent"], "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+        (["--preset", "specialists", "--models-dir", "/nonexistent"], "scripts/build_specialists.py"),
+    ],
+)
 def test_cli_errors(args: list[str], message: str, questions_path: Path, tmp_path: Path, capsys) -> None:
     if "--questions" not in args:
         args = ["--questions", str(questions_path), *args]
@@ -332,9 +362,25 @@ def speed_py(path: Path) -> tuple[list[float], list[int]]:
 @pytest.fixture(scope="module")
 def small_run(embedded, questions_path: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
-    code = main(["bench", "--questions", str(questions_path), "--categories", "writing,qa", "--per-category", "1",
-                 "--max-new-tokens", "10", "--drafters", "ngram,suffix", "--out", str(out), "--no-warmup",
-                 "--no-progress"])
+    code = main(
+        [
+            "bench",
+            "--questions",
+            str(questions_path),
+            "--categories",
+            "writing,qa",
+            "--per-category",
+            "1",
+            "--max-new-tokens",
+            "10",
+            "--drafters",
+            "ngram,suffix",
+            "--out",
+            str(out),
+            "--no-warmup",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     return out
 
@@ -383,8 +429,12 @@ def test_small_run_answer_files_read_like_spec_bench(small_run: Path) -> None:
 def test_small_run_report_and_plots(small_run: Path) -> None:
     report = (small_run / "report.md").read_text()
     assert "**0 mismatches**" in report
-    for heading in ("## Speedup over `ar`", "## Mean accepted tokens", "## Share of the oracles",
-                    "## Reward statistics per drafter"):
+    for heading in (
+        "## Speedup over `ar`",
+        "## Mean accepted tokens",
+        "## Share of the oracles",
+        "## Reward statistics per drafter",
+    ):
         assert heading in report
     for method in default_methods(["ngram", "suffix"]):
         assert f"| `{method}` |" in report
@@ -397,15 +447,32 @@ def test_small_run_report_and_plots(small_run: Path) -> None:
 def test_model_drafters_and_hf_assisted(embedded, questions_path: Path, tmp_path: Path) -> None:
     """early-exit and an lm: drafter (the target itself, unquantized) in the pool, so hf-assisted runs; a few
     minutes."""
-    code = main(["bench", "--questions", str(questions_path), "--categories", "summarization,coding",
-                 "--per-category", "1", "--max-new-tokens", "24",
-                 "--drafters", "ngram,early-exit:8,lm:embedded:unquantized", "--out", str(tmp_path), "--no-progress"])
+    code = main(
+        [
+            "bench",
+            "--questions",
+            str(questions_path),
+            "--categories",
+            "summarization,coding",
+            "--per-category",
+            "1",
+            "--max-new-tokens",
+            "24",
+            "--drafters",
+            "ngram,early-exit:8,lm:embedded:unquantized",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     exact = "fixed:lm:embedded:unquantized"
     assert "hf-assisted" in summary["methods"] and exact in summary["methods"]
-    assert summary["config"]["drafter_weights"] == {"early-exit:8": "unquantized",
-                                                    "lm:embedded:unquantized": "unquantized"}
+    assert summary["config"]["drafter_weights"] == {
+        "early-exit:8": "unquantized",
+        "lm:embedded:unquantized": "unquantized",
+    }
     assert summary["correctness"]["mismatches"] == 0, summary["correctness"]["details"]
     # the target drafting for itself is always right: k + 1 tokens a round except at the end
     assert summary["methods"][exact]["overall"]["mean_accepted_tokens"] > 4
@@ -423,8 +490,10 @@ def test_specialists_preset_pools_every_datastore_the_ofa_and_distilled_drafters
     (tmp_path / "distill-math").mkdir()  # no model saved yet: not in the pool
     settings = preset("specialists", tmp_path)
     assert settings["drafters"].split(",") == [
-        "ngram", *(f"datastore:{tmp_path / n}" for n in ("code", "chat", "math", "translation", "mixed")),
-        f"lm:{tmp_path / 'distill-code'}"]
+        "ngram",
+        *(f"datastore:{tmp_path / n}" for n in ("code", "chat", "math", "translation", "mixed")),
+        f"lm:{tmp_path / 'distill-code'}",
+    ]
     assert settings["methods"] == SPECIALIST_METHODS
     assert "oracle-category" in settings["methods"]  # it brings every drafter's fixed run: each specialist alone
     (tmp_path / "math" / "header.json").unlink()
@@ -457,8 +526,9 @@ def test_repeats_start_from_one_state_and_keep_the_fastest(embedded) -> None:
 
         return turn
 
-    best = measure_question(decoder, question, ["ar", "metasd-adaptive"], runner, 3, lambda: None,
-                            references.append, runs.append)
+    best = measure_question(
+        decoder, question, ["ar", "metasd-adaptive"], runner, 3, lambda: None, references.append, runs.append
+    )
     assert runs == ["ar", "metasd-adaptive"] * 3 and len(references) == 1
     assert len(seen) == 3 and seen[0] == seen[1] == seen[2]
     assert policy.acceptance.history_tried.sum() > seen[0]  # the last pass's learning is kept

@@ -32,8 +32,9 @@ def spec_bench(questions_path: Path) -> list[Question]:
 def test_drift_prompts_are_reproducible_from_the_seed(spec_bench, tmp_path: Path) -> None:
     first = drift_requests(spec_bench, seed=0, per_kind=4)
     assert drift_requests(spec_bench, seed=0, per_kind=4) == first
-    assert [r.question.turns for r in drift_requests(spec_bench, seed=1, per_kind=4)] != [r.question.turns
-                                                                                          for r in first]
+    assert [r.question.turns for r in drift_requests(spec_bench, seed=1, per_kind=4)] != [
+        r.question.turns for r in first
+    ]
     assert [r.kind for r in first] == [k for k in KINDS for _ in range(4)]
     ids = [r.question.question_id for r in first]
     assert len(set(ids)) == len(ids) and min(ids) > max(q.question_id for q in spec_bench)
@@ -90,8 +91,7 @@ def test_boundary_token_finds_the_marker() -> None:
 
 
 def _turn(tokens: int, wall: float, rounds: list[Round] | None) -> TurnRecord:
-    return TurnRecord([1, 2], list(range(tokens)), "", wall, [r.emitted for r in rounds or []] or [1] * tokens,
-                      rounds)
+    return TurnRecord([1, 2], list(range(tokens)), "", wall, [r.emitted for r in rounds or []] or [1] * tokens, rounds)
 
 
 def _rounds(plan: list[tuple[str, int]]) -> list[Round]:
@@ -112,8 +112,9 @@ def test_summarize_drift_report_and_plot_on_synthetic_records(tmp_path: Path) ->
         "fixed:suffix": {q.question_id: QuestionRecord(q, [_turn(n, 1.6, _rounds([("suffix", 1)] * n))])},
         "oracle-round": {q.question_id: QuestionRecord(q, [_turn(n, 0.8, _rounds([("ngram", 4), ("suffix", 15)]))])},
         # picks ngram for the first 4 tokens, then suffix from the boundary (token 4) on
-        "ducb": {q.question_id: QuestionRecord(q, [_turn(n, 0.9, _rounds([("ngram", 2), ("ngram", 2),
-                                                                           ("suffix", 15)]))])},
+        "ducb": {
+            q.question_id: QuestionRecord(q, [_turn(n, 0.9, _rounds([("ngram", 2), ("ngram", 2), ("suffix", 15)]))])
+        },
     }
     methods = ["ar", "fixed:ngram", "fixed:suffix", "oracle-round", "ducb"]
     d = summarize_drift([req], results, methods, _decode)
@@ -125,8 +126,12 @@ def test_summarize_drift_report_and_plot_on_synthetic_records(tmp_path: Path) ->
     assert row["vs_oracle_round"]["ducb"] == pytest.approx(0.8 / 0.9, abs=1e-3)
     assert row["picks"]["ducb"] == {"1": {"ngram": 2}, "2": {"suffix": 1}}
     assert d["overall"]["ducb"]["vs_static_router"] == pytest.approx(1.0 / 0.9, abs=1e-3)
-    summary = {"drift": d, "config": {"drafters": ["ngram", "suffix"]},
-               "questions": [{"question_id": q.question_id, "group": q.group}], "methods": dict.fromkeys(methods)}
+    summary = {
+        "drift": d,
+        "config": {"drafters": ["ngram", "suffix"]},
+        "questions": [{"question_id": q.question_id, "group": q.group}],
+        "methods": dict.fromkeys(methods),
+    }
     report = "\n".join(_drift(summary))
     assert "## Drift within a request" in report and "Speed relative to the static router" in report
     assert "| `ducb` | 1.11 | 1.11 |" in report  # one request, so overall equals it

@@ -116,8 +116,11 @@ def test_lookup_matches_brute_force(corpus):
             draft = store.lookup(context, 1)
             counts = Counter(follow)
             top = max(counts.values())
-            best = min(t for t, c in counts.items() if c == top and t is not None) if any(
-                c == top for t, c in counts.items() if t is not None) else None
+            best = (
+                min(t for t, c in counts.items() if c == top and t is not None)
+                if any(c == top for t, c in counts.items() if t is not None)
+                else None
+            )
             if counts.get(None, 0) > top or best is None or (counts.get(None, 0) == top):
                 continue  # ties with a document end: either answer is fine
             assert draft.tokens == [best], (context, counts)
@@ -206,9 +209,15 @@ def test_greedy_decoding_with_datastores_in_the_pool_is_lossless(embedded, tmp_p
 
     tokenizer = embedded.tokenizer
     corpus = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": "Name three primary colors."},
-                          {"role": "assistant", "content": "The three primary colors are red, yellow and blue."}]},
-            {"text": "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"}]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Name three primary colors."},
+                {"role": "assistant", "content": "The three primary colors are red, yellow and blue."},
+            ]
+        },
+        {"text": "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"},
+    ]
     corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     build_index([str(corpus)], tmp_path / "idx", tokenizer, progress=False)
     decoder = Decoder(drafters=["ngram", f"datastore:{tmp_path / 'idx'}"], policy="round-robin", draft_len=4)

@@ -55,6 +55,7 @@ def test_auto_routes_each_row_count_to_the_weights_measured_faster(embedded, mon
     twin, kind = drafting_weights(model, "int8")
     assert kind == "int8" and any(isinstance(m, Int8Linear) for m in twin.modules())
     for crossover in (0, 1, 8, 1000):  # the measurement decides, not an assumption about the machine
+
         def timed(m, rows, crossover=crossover):  # int8 products are faster up to `crossover` rows, float beyond
             layer = next((x for x in m.modules() if isinstance(x, Int8Linear)), None)
             in_int8 = layer is not None and rows <= layer.int8_rows

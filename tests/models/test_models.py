@@ -16,8 +16,15 @@ def foreign_model_dir(tmp_path_factory):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1").save_pretrained(path)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -39,8 +46,9 @@ def test_auto_device_is_the_cpu_without_cuda_and_one_model_per_device(embedded):
     assert embedded.device.type in ("cpu", "cuda")
 
 
-@pytest.mark.parametrize("device, message", [("tpu", "unknown device"), ("cpu:1", "unknown device"),
-                                             ("cuda:x", "unknown device")])
+@pytest.mark.parametrize(
+    "device, message", [("tpu", "unknown device"), ("cpu:1", "unknown device"), ("cuda:x", "unknown device")]
+)
 def test_unknown_devices_are_clear_errors(device, message):
     with pytest.raises(ValueError, match=message):
         resolve_device(device)
@@ -97,8 +105,16 @@ def _save_tiny(path, config) -> str:
     return str(path)
 
 
-TINY = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64, "head_dim": 8}
+TINY = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "head_dim": 8,
+}
 
 
 def test_sliding_window_targets_are_refused_at_load(tmp_path):

@@ -24,8 +24,10 @@ def policy_with(table, accept=0.9, n_arms=2, free=(True, False), beta=0.0, signa
     policy.attach(CostModel(TargetCost(table)), [f"d{i}" for i in range(n_arms)], list(free))
     policy.costs.target.observe(1, table[0])  # a plain step measured: no check round due
     hits = int(trials * accept)
-    for acc, tried in ((policy.acceptance.accepted, policy.acceptance.tried),
-                       (policy.acceptance.history_accepted, policy.acceptance.history_tried)):
+    for acc, tried in (
+        (policy.acceptance.accepted, policy.acceptance.tried),
+        (policy.acceptance.history_accepted, policy.acceptance.history_tried),
+    ):
         acc[:], tried[:] = hits, trials
     return policy
 
@@ -87,6 +89,7 @@ def test_a_drafter_started_and_then_left_idle_pays_more_for_its_next_prompt():
     """The prefill is amortised over the share of the output the drafter's rounds yielded once started in earlier
     requests: a drafter tried once per request and then dropped (early exit on the Qwen pair) is not started on a
     long prompt any more, while one that drafts most rounds still is."""
+
     def run_request(policy, drafted_rounds, rounds=20):
         policy.reset()
         context = [1, 2, 3]
@@ -94,8 +97,11 @@ def test_a_drafter_started_and_then_left_idle_pays_more_for_its_next_prompt():
             arm = 0 if i < drafted_rounds else None
             draft = Draft([7]) if arm is not None else Draft([])
             context = context + [7]
-            policy.feedback(RoundOutcome(arm, len(draft.tokens), draft, 0, len(context) - 1, context, None, [7],
-                                         {}, 0.001, 0.01, 0.01))
+            policy.feedback(
+                RoundOutcome(
+                    arm, len(draft.tokens), draft, 0, len(context) - 1, context, None, [7], {}, 0.001, 0.01, 0.01
+                )
+            )
         policy.finish(context)
 
     chosen = {}
@@ -227,20 +233,39 @@ def test_a_continued_round_teaches_each_drafter_only_its_own_tokens():
     continued = model_draft.followed_by(Draft([7, 8], confidence=[0.9, 0.9]))
     after = {0: Draft([7, 8], confidence=[0.9, 0.9])}
     out = context + [5, 6, 7, 4]  # both model tokens and the first continuation token accepted, then the target's 4
-    policy.feedback(RoundOutcome(1, 2, continued, 3, len(context), out, None, [5, 6, 7, 4, 0], {}, 0.0, 0.01, 0.01,
-                                 Extension(2, 0, after)))
+    policy.feedback(
+        RoundOutcome(
+            1, 2, continued, 3, len(context), out, None, [5, 6, 7, 4, 0], {}, 0.0, 0.01, 0.01, Extension(2, 0, after)
+        )
+    )
     tried, accepted = policy.acceptance.tried, policy.acceptance.accepted
     assert tried[1].sum() == 2 and accepted[1].sum() == 2
     # the free drafter as a continuation (arm 2 + 0) is learned apart from its own rounds' proposals (arm 0)
     assert tried[2].sum() == 2 and accepted[2].sum() == 1 and tried[0].sum() == 0
     rejected = context + [9]  # the model's first token rejected: the continuation is not evidence
-    policy.feedback(RoundOutcome(1, 2, continued, 0, len(context), rejected, None, [9], {}, 0.0, 0.01, 0.01,
-                                 Extension(2, 0, after)))
+    policy.feedback(
+        RoundOutcome(1, 2, continued, 0, len(context), rejected, None, [9], {}, 0.0, 0.01, 0.01, Extension(2, 0, after))
+    )
     assert tried[2].sum() == 2 and tried[1].sum() == 3
     # a continuation offered but not appended is evidence all the same, once the model's tokens are accepted
     declined = context + [5, 6, 7, 8, 1]
-    policy.feedback(RoundOutcome(1, 2, model_draft, 2, len(context), declined, None, [5, 6, 7], {}, 0.0, 0.01, 0.01,
-                                 Extension(2, None, after)))
+    policy.feedback(
+        RoundOutcome(
+            1,
+            2,
+            model_draft,
+            2,
+            len(context),
+            declined,
+            None,
+            [5, 6, 7],
+            {},
+            0.0,
+            0.01,
+            0.01,
+            Extension(2, None, after),
+        )
+    )
     assert tried[2].sum() == 4 and accepted[2].sum() == 3 and tried[1].sum() == 5
 
 
@@ -339,8 +364,16 @@ def test_parameters_are_validated_and_canonical():
     assert parse_params("beta=0.5, max=8")["max"] == 8
     assert parse_params("0.2")["beta"] == 0.2
     assert parse_params("spread=0,prior=20")["prior"] == 20
-    for bad in ("max=0", "max=1e9", "gamma=2", "beta=nan", "speed=3", "max=2.5", "spread=0.5",
-                "prior=20"):  # prior is the history weight of spread=0 only: never silently ignored
+    for bad in (
+        "max=0",
+        "max=1e9",
+        "gamma=2",
+        "beta=nan",
+        "speed=3",
+        "max=2.5",
+        "spread=0.5",
+        "prior=20",
+    ):  # prior is the history weight of spread=0 only: never silently ignored
         with pytest.raises(ValueError):
             build_policy(f"metasd-adaptive:{bad}", ["ngram"])
     assert canonical_policy("metasd-adaptive", ["ngram"]) == canonical_policy("metasd-adaptive:beta=0.3", ["ngram"])
@@ -398,8 +431,11 @@ def test_statistics_count_what_is_emitted(embedded):
 def test_greedy_block_divergence_is_one_scale_for_every_kind(embedded):
     """The target itself as drafter scores 1 whether it sends q (lm:) or only tokens (fixed:ngram-like one-hot)."""
     decoder = Decoder(drafters=["lm:embedded:unquantized"], policy="metasd-ucb", draft_len=4)
-    rewards = [r.reward for r in decoder.generate("Name three colours.", max_new_tokens=24).stats.rounds
-               if r.drafter and r.drafted == 4]
+    rewards = [
+        r.reward
+        for r in decoder.generate("Name three colours.", max_new_tokens=24).stats.rounds
+        if r.drafter and r.drafted == 4
+    ]
     assert rewards and all(r == pytest.approx(1.0) for r in rewards)
 
 
@@ -407,8 +443,15 @@ def test_greedy_block_divergence_is_one_scale_for_every_kind(embedded):
 def tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -425,10 +468,13 @@ def test_calibration_cache_round_trip_and_corrupt_or_foreign_files(tiny_model, t
     assert load_or_calibrate("tiny", tiny_model, 4) == found  # read back, not measured again
     assert installed(tiny_model) == found.kernels  # and its kernels installed again
     good = {"key": key, "table": found.table, "kernels": found.kernels}
-    for content in ("{not json", json.dumps({**good, "key": {**key, "threads": 999}}),
-                    json.dumps({**good, "table": [1.0, -2.0, 3.0, 4.0]}),
-                    json.dumps({**good, "kernels": ["linear", "fancy", "linear", "linear"]}),
-                    json.dumps({"key": key, "table": found.table})):
+    for content in (
+        "{not json",
+        json.dumps({**good, "key": {**key, "threads": 999}}),
+        json.dumps({**good, "table": [1.0, -2.0, 3.0, 4.0]}),
+        json.dumps({**good, "kernels": ["linear", "fancy", "linear", "linear"]}),
+        json.dumps({"key": key, "table": found.table}),
+    ):
         path.write_text(content)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

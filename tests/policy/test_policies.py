@@ -246,8 +246,14 @@ def test_every_policy_name_builds(name: str) -> None:
         assert policy is None
         return
     assert policy is not None
-    rewards = {"ucb-be": "be", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost", "ducb-cost": "bd-cost",
-               "swucb-cost": "bd-cost", "metasd-adaptive": "rate"}
+    rewards = {
+        "ucb-be": "be",
+        "metasd-ucb-cost": "bd-cost",
+        "metasd-fi": "be-cost",
+        "ducb-cost": "bd-cost",
+        "swucb-cost": "bd-cost",
+        "metasd-adaptive": "rate",
+    }
     assert policy.reward == rewards.get(name, "bd")
     if name == "metasd-adaptive":  # chooses through choose()/feedback() with measured costs: tests/test_adaptive.py
         return
@@ -368,9 +374,11 @@ def rounds_to_follow(arms: list[int], best: int = 2, run_len: int = 10) -> int |
 def test_forgetting_policies_follow_a_switch_and_plain_ucb_lags(seed: int) -> None:
     total = SWITCH + 150
     lags = {}
-    for name, policy in [("ducb", DiscountedUCB(3, gamma=0.95, beta=0.1)),
-                         ("swucb", SlidingWindowUCB(3, window=32, beta=0.1)),
-                         ("ucb", UCB(3, beta=0.1))]:
+    for name, policy in [
+        ("ducb", DiscountedUCB(3, gamma=0.95, beta=0.1)),
+        ("swucb", SlidingWindowUCB(3, window=32, beta=0.1)),
+        ("ucb", UCB(3, beta=0.1)),
+    ]:
         arms = run(policy, drifting(seed), total)
         assert arms[SWITCH - 20 : SWITCH].count(0) >= 16, name  # all found the first best arm
         lags[name] = rounds_to_follow(arms)
@@ -537,4 +545,3 @@ def test_canonical_policy_keeps_distinct_values_apart() -> None:
     assert canonical_policy("ducb", DRAFTERS) != canonical_policy("ducb-cost", DRAFTERS)
     with pytest.raises(ValueError, match="unknown policy"):
         canonical_policy("bogus", DRAFTERS)
-

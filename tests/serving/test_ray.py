@@ -30,9 +30,19 @@ def local_ray():
 def _cfg(questions_path: Path, out: Path):
     from metasd.bench import BenchConfig
 
-    return BenchConfig(questions=questions_path, out=out, categories=["summarization", "qa"], per_category=1,
-                       max_new_tokens=MAX_NEW, methods=["ar", "fixed:ngram"], drafters="ngram,suffix",
-                       warmup=False, progress=False, plots=False, threads=1)
+    return BenchConfig(
+        questions=questions_path,
+        out=out,
+        categories=["summarization", "qa"],
+        per_category=1,
+        max_new_tokens=MAX_NEW,
+        methods=["ar", "fixed:ngram"],
+        drafters="ngram,suffix",
+        warmup=False,
+        progress=False,
+        plots=False,
+        threads=1,
+    )
 
 
 def _answers(out: Path) -> dict:
@@ -71,8 +81,9 @@ def test_two_workers_match_one_process(local_ray, one_process, questions_path: P
     assert len(list((tmp_path / "partial").glob("q*.pkl"))) == 2
 
 
-def test_killed_worker_loses_no_question_and_resume_skips_finished(local_ray, one_process, questions_path: Path,
-                                                                   tmp_path: Path, monkeypatch) -> None:
+def test_killed_worker_loses_no_question_and_resume_skips_finished(
+    local_ray, one_process, questions_path: Path, tmp_path: Path, monkeypatch
+) -> None:
     from metasd.bench.distributed import KILL_ENV, ClusterOptions, run_distributed
 
     reference, ref_out = one_process
@@ -117,7 +128,7 @@ def test_policy_sync_shares_statistics_between_replicas() -> None:
     sync_a, sync_b = PolicySync(a, hub.merge, 0.0), PolicySync(b, hub.merge, 0.0)
     a.generate("Repeat: one two three one two three one two three", max_new_tokens=12)
     learned = dict(a._policies)
-    (key, policy_a), = learned.items()
+    ((key, policy_a),) = learned.items()
     assert sum(policy_a.state()["pulls"]) > 0
     sync_a.sync()
     sync_b.sync()  # b had never served this policy: it is created from the pooled statistics
@@ -150,29 +161,37 @@ def test_two_replicas_answer_the_openai_client(local_ray) -> None:
     options = {"drafters": "ngram,suffix", "policy": "metasd-ucb", "policy_scope": "server"}
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build(options, {"max_queue": 8}, replicas=2, replica_cpus=1, sync_s=0.0), name="metasd",
-                  route_prefix="/")
+        serve.run(
+            build(options, {"max_queue": 8}, replicas=2, replica_cpus=1, sync_s=0.0), name="metasd", route_prefix="/"
+        )
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         messages = [{"role": "user", "content": "Name three colours."}]
         whole = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
-        chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
-                                                stream=True)
+        chunks = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=16, temperature=0, stream=True
+        )
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         expected = Decoder(drafters="ngram,suffix", policy="metasd-ucb").generate(messages, max_new_tokens=16).text
         assert whole.choices[0].message.content == streamed == expected
 
         prompts = [f"Write the numbers from {i} to {i + 5}." for i in range(6)]  # concurrent: both replicas serve
         with ThreadPoolExecutor(6) as pool:
-            texts = list(pool.map(lambda p: client.completions.create(model=model, prompt=p, max_tokens=8,
-                                                                        temperature=0).choices[0].text, prompts))
+            texts = list(
+                pool.map(
+                    lambda p: (
+                        client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+                    ),
+                    prompts,
+                )
+            )
         assert all(texts)
         with pytest.raises(openai.NotFoundError):  # the same errors as the one-process server
             client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=4)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         assert "metasd:generation_tokens" in metrics
         snapshot = ray.get(ray.get_actor(HUB_NAME).snapshot.remote())
-        (_, total), = snapshot["totals"].items()
+        ((_, total),) = snapshot["totals"].items()
         assert snapshot["merges"] >= 3 and sum(total["pulls"]) > 0
         replicas = serve.status().applications["metasd"].deployments["metasd"].replica_states
         assert replicas.get("RUNNING") == 2

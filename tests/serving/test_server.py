@@ -95,8 +95,11 @@ def chat(text: str) -> list[dict]:
 def scrape(base: str) -> dict[str, float]:
     """Every sample of /metrics by name and labels, through prometheus-client's own parser."""
     text = httpx.get(f"{base}/metrics", timeout=30).text
-    return {f"{s.name}{dict(sorted(s.labels.items())) or ''}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        f"{s.name}{dict(sorted(s.labels.items())) or ''}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_models_and_health(client, server):
@@ -132,8 +135,9 @@ def test_chat_equals_generate(client, reference, http):
     assert got.choices[0].finish_reason == want.finish_reason
     assert got.usage.completion_tokens == len(want.token_ids)
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=chat(QUESTION), max_tokens=24,
-                                                 temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=chat(QUESTION), max_tokens=24, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
@@ -149,9 +153,13 @@ def test_chat_equals_generate(client, reference, http):
 
 def test_extension_fields_pick_policy_and_drafters(client, reference):
     want = reference.generate(PROMPT, raw=True, max_new_tokens=12)
-    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                    extra_body={"metasd_drafters": ["suffix"], "metasd_policy": "round-robin",
-                                                "top_k": 5})
+    got = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"metasd_drafters": ["suffix"], "metasd_policy": "round-robin", "top_k": 5},
+    )
     assert got.choices[0].text == want.text  # lossless whichever drafters run; top_k keeps greedy's argmax
     report = got.model_extra["metasd"]
     assert set(report["drafters"]) == {"suffix"}
@@ -160,8 +168,18 @@ def test_extension_fields_pick_policy_and_drafters(client, reference):
 
 
 def test_null_fields_mean_defaults(http):
-    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": None, "top_p": None, "n": None, "stream": None,
-            "stop": None, "seed": None, "logprobs": None, "user": "someone"}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 2,
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "stream": None,
+        "stop": None,
+        "seed": None,
+        "logprobs": None,
+        "user": "someone",
+    }
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
@@ -169,8 +187,8 @@ def test_null_fields_mean_defaults(http):
 
 def test_stop_strings_cut_text_in_both_modes(client, reference):
     full = reference.generate(PROMPT, raw=True, max_new_tokens=24).text
-    stop = full[len(full) // 2:][:3]  # three characters from the middle of the greedy text
-    expected = full[:full.find(stop)]
+    stop = full[len(full) // 2 :][:3]  # three characters from the middle of the greedy text
+    expected = full[: full.find(stop)]
     kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": ["\u2603never", stop]}
     got = client.completions.create(**kwargs)
     assert (got.choices[0].text, got.choices[0].finish_reason) == (expected, "stop")
@@ -203,11 +221,13 @@ def test_twenty_concurrent_streams_equal_sequential_references(server, reference
 
     async def one(c: openai.AsyncOpenAI, i: int) -> str:
         if i < 10:
-            stream = await c.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8, temperature=0,
-                                                stream=True)
+            stream = await c.completions.create(
+                model=MODEL, prompt=prompts[i], max_tokens=8, temperature=0, stream=True
+            )
             return "".join([chunk.choices[0].text async for chunk in stream])
-        stream = await c.chat.completions.create(model=MODEL, messages=chat(prompts[i]), max_tokens=8,
-                                                 temperature=0, stream=True)
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=chat(prompts[i]), max_tokens=8, temperature=0, stream=True
+        )
         return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
 
     async def all_at_once() -> list[str]:
@@ -277,9 +297,18 @@ def test_api_key(server):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--api-key", ""], ["--api-key", "a,"],
-                                  ["--max-body-bytes", "0"], ["--history-scope", "per-key"],
-                                  ["--history-scope", "off", "--policy-scope", "server"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--port", "70000"],
+        ["--max-queue", "0"],
+        ["--api-key", ""],
+        ["--api-key", "a,"],
+        ["--max-body-bytes", "0"],
+        ["--history-scope", "per-key"],
+        ["--history-scope", "off", "--policy-scope", "server"],
+    ],
+)
 def test_serve_rejects_bad_options_before_loading_models(argv, capsys, monkeypatch):
     from metasd.cli import main
 
@@ -318,8 +347,11 @@ def test_full_queue_answers_429_and_a_disconnect_frees_the_engine(small):
     long = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0, "stream": True}
     short = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     aborted = scrape(small).get("metasd:request_success_total{'finished_reason': 'abort'}", 0.0)
-    with httpx.Client(base_url=small, timeout=60) as a, httpx.Client(base_url=small, timeout=60) as b, \
-            ThreadPoolExecutor(1) as pool:
+    with (
+        httpx.Client(base_url=small, timeout=60) as a,
+        httpx.Client(base_url=small, timeout=60) as b,
+        ThreadPoolExecutor(1) as pool,
+    ):
         with a.stream("POST", "/v1/completions", json=long) as streaming:
             lines = streaming.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # decoding has started
@@ -345,8 +377,9 @@ def test_a_client_leaving_a_non_streaming_request_stops_it(small):
 
     before = aborted()
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
-        httpx.post(f"{small}/v1/completions", json={"prompt": "1, 2, 3,", "max_tokens": 2000, "temperature": 0},
-                   timeout=1)
+        httpx.post(
+            f"{small}/v1/completions", json={"prompt": "1, 2, 3,", "max_tokens": 2000, "temperature": 0}, timeout=1
+        )
     deadline = time.monotonic() + 30
     while aborted() < before + 1:
         assert time.monotonic() < deadline, "the abandoned generation kept running"
@@ -356,8 +389,12 @@ def test_a_client_leaving_a_non_streaming_request_stops_it(small):
 
 def test_policy_scope_server_keeps_learning_and_request_scope_resets(small, http):
     def run(base: str, prompt: str) -> dict:
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0},
-                       headers=AUTH, timeout=60)
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 16, "temperature": 0},
+            headers=AUTH,
+            timeout=60,
+        )
         return r.json()["metasd"]
 
     first, second = run(small, PROMPT), run(small, "Once upon a time")
@@ -411,8 +448,11 @@ def timed_post(base: str, path: str, headers: dict | None = None, **kwargs) -> t
 def test_tiny_temperature_is_greedy_not_nan(server, reference):
     want = reference.generate(PROMPT, raw=True, max_new_tokens=8).text
     for temperature in (1e-40, 5e-324, 9e-6, 0.5):  # 0.5 with top_p 1e-300: sampling from the top token alone
-        r, took = timed_post(server, "/v1/completions",
-                             json={"prompt": PROMPT, "max_tokens": 8, "temperature": temperature, "top_p": 1e-300})
+        r, took = timed_post(
+            server,
+            "/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 8, "temperature": temperature, "top_p": 1e-300},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want and took < 30
 
@@ -427,16 +467,18 @@ def test_body_over_the_limit_is_413_before_parsing(strict):
         for _ in range(100):
             yield b" " * 1000
 
-    r, took = timed_post(base, "/v1/completions", {**key(KEYS[0]), "Content-Type": "application/json"},
-                         content=chunked())
+    r, took = timed_post(
+        base, "/v1/completions", {**key(KEYS[0]), "Content-Type": "application/json"}, content=chunked()
+    )
     assert r.status_code == 413 and took < 5
     assert not encoded
     ok, _ = timed_post(base, "/v1/completions", key(KEYS[0]), json={"prompt": "hi", "max_tokens": 1})
     assert ok.status_code == 200
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
+)
 def test_post_without_json_content_type_is_415(server, content_type):
     """Browsers send these cross-site without a CORS preflight: a web page must not drive a local server."""
     headers = {"Content-Type": content_type} if content_type else {}
@@ -454,10 +496,12 @@ def test_over_long_prompt_is_refused_by_length_before_tokenizing(server, referen
 
     bound = _max_prompt_chars(reference.tokenizer, reference.target.max_length)
     assert bound >= reference.target.max_length * max(map(len, reference.tokenizer.get_vocab()))
-    for path, body in (("/v1/completions", {"prompt": "a" * (bound + 1), "max_tokens": 1}),
-                       ("/v1/chat/completions", {"messages": chat("a" * (bound + 1)), "max_tokens": 1}),
-                       ("/v1/completions", {"prompt": [1] * 200_000, "max_tokens": 1}),
-                       ("/v1/chat/completions", {"messages": chat("a") * 9000, "max_tokens": 1})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "a" * (bound + 1), "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": chat("a" * (bound + 1)), "max_tokens": 1}),
+        ("/v1/completions", {"prompt": [1] * 200_000, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": chat("a") * 9000, "max_tokens": 1}),
+    ):
         r, took = timed_post(server, path, json=body)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert took < 5
@@ -476,9 +520,11 @@ def _policy_bounded() -> bool:
     import subprocess
     import sys
 
-    probe = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
-             "from metasd.policy import build_policy\n"
-             "try:\n    build_policy('sequential-halving:4000000000', ['a', 'b'])\nexcept ValueError:\n    print('ok')")
+    probe = (
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+        "from metasd.policy import build_policy\n"
+        "try:\n    build_policy('sequential-halving:4000000000', ['a', 'b'])\nexcept ValueError:\n    print('ok')"
+    )
     try:
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
@@ -488,8 +534,10 @@ def _policy_bounded() -> bool:
 
 def test_huge_policy_parameter_is_a_fast_400(server):
     if not _policy_bounded():
-        pytest.fail("build_policy does not refuse sequential-halving:4000000000 with a ValueError (policies.py must "
-                    "bound client-chosen parameters); not sent to the server, which would run out of memory")
+        pytest.fail(
+            "build_policy does not refuse sequential-halving:4000000000 with a ValueError (policies.py must "
+            "bound client-chosen parameters); not sent to the server, which would run out of memory"
+        )
     for policy in ("sequential-halving:4000000000", "metasd-ucb:1e308", "exp3:nan"):
         r, took = timed_post(server, "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "metasd_policy": policy})
         assert r.status_code == 400 and took < 5, (policy, r.text)
@@ -535,8 +583,13 @@ def test_chat_template_errors_are_400(strict):
 
 def test_history_per_key_keeps_clients_apart(strict):
     base, _ = strict
-    body = {"prompt": "My secret plan is", "max_tokens": 16, "temperature": 0, "metasd_drafters": ["suffix"],
-            "metasd_policy": "fixed:suffix"}
+    body = {
+        "prompt": "My secret plan is",
+        "max_tokens": 16,
+        "temperature": 0,
+        "metasd_drafters": ["suffix"],
+        "metasd_policy": "fixed:suffix",
+    }
 
     def accepted(who: str) -> int:
         r, _ = timed_post(base, "/v1/completions", key(who), json=body)

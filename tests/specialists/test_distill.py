@@ -12,8 +12,13 @@ from metasd.specialists.distill import distill, prompt_messages, read_prompts
 def test_prompt_formats(tmp_path):
     assert prompt_messages({"prompt": "Hi"}) == [{"role": "user", "content": "Hi"}]
     assert prompt_messages({"turns": ["First", "Second"]}) == [{"role": "user", "content": "First"}]
-    chat = {"conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A."},
-                              {"from": "human", "value": "More?"}]}
+    chat = {
+        "conversations": [
+            {"from": "human", "value": "Q?"},
+            {"from": "gpt", "value": "A."},
+            {"from": "human", "value": "More?"},
+        ]
+    }
     assert prompt_messages(chat) == [{"role": "user", "content": "Q?"}]  # up to the first answer
     assert prompt_messages({"messages": [{"role": "assistant", "content": "x"}]}) is None
     bad = tmp_path / "bad.jsonl"
@@ -27,11 +32,23 @@ def test_tiny_distillation_loads_as_lm_and_stays_lossless(embedded, tmp_path):
     from metasd.drafters import build_drafter
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": q}) for q in
-                                 ("Name a color.", "What is 2 + 2?", "Say hello.", "Name a fruit.")) + "\n")
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt": q}) for q in ("Name a color.", "What is 2 + 2?", "Say hello.", "Name a fruit."))
+        + "\n"
+    )
     out = tmp_path / "drafter"
-    report = distill(None, str(prompts), out, layers=2, steps=2, batch_tokens=128, max_new_tokens=8, holdout=0.25,
-                     save_every=1, progress=False)
+    report = distill(
+        None,
+        str(prompts),
+        out,
+        layers=2,
+        steps=2,
+        batch_tokens=128,
+        max_new_tokens=8,
+        holdout=0.25,
+        save_every=1,
+        progress=False,
+    )
     assert report["steps"] == 2 and report["train_answers"] == 3 and report["heldout_answers"] == 1
     assert report["acceptance_after"]["mean_accepted_tokens"] >= 1.0
     answers = (out / "distill-data" / "outputs.jsonl").read_text().splitlines()
@@ -39,13 +56,24 @@ def test_tiny_distillation_loads_as_lm_and_stays_lossless(embedded, tmp_path):
     assert (out / "checkpoint.pt").is_file() and (out / "config.json").is_file()
 
     # resume: two more steps from the checkpoint, the cached answers are not regenerated
-    again = distill(None, str(prompts), out, layers=2, steps=4, batch_tokens=128, max_new_tokens=8, holdout=0.25,
-                    save_every=1, progress=False)
+    again = distill(
+        None,
+        str(prompts),
+        out,
+        layers=2,
+        steps=4,
+        batch_tokens=128,
+        max_new_tokens=8,
+        holdout=0.25,
+        save_every=1,
+        progress=False,
+    )
     assert again["steps"] == 4 and again["seconds"]["generate"] < 5
     assert (out / "distill-data" / "outputs.jsonl").read_text().splitlines() == answers
     # a rerun with nothing left to train only evaluates, and still reports the training's loss and time
-    evaluated = distill(None, str(prompts), out, layers=2, steps=4, batch_tokens=128, max_new_tokens=8,
-                        holdout=0.25, progress=False)
+    evaluated = distill(
+        None, str(prompts), out, layers=2, steps=4, batch_tokens=128, max_new_tokens=8, holdout=0.25, progress=False
+    )
     assert evaluated["seconds"]["train_this_run"] < 1 and evaluated["final_loss"] == again["final_loss"] is not None
     assert evaluated["seconds"]["train_all_runs"] == again["seconds"]["train_all_runs"] > 0
     with pytest.raises(ValueError, match="layers"):
@@ -53,8 +81,9 @@ def test_tiny_distillation_loads_as_lm_and_stays_lossless(embedded, tmp_path):
 
     drafter = build_drafter(f"lm:{out}", embedded)  # the tokenizer check passes: same vocabulary
     assert len(drafter.lm.model.model.layers) == 2
-    assert torch.equal(drafter.lm.model.get_input_embeddings().weight,
-                       embedded.model.get_input_embeddings().weight)  # frozen, shared with the target
+    assert torch.equal(
+        drafter.lm.model.get_input_embeddings().weight, embedded.model.get_input_embeddings().weight
+    )  # frozen, shared with the target
     decoder = Decoder(drafters=[drafter], policy=f"fixed:lm:{out}", draft_len=3)
     ids = decoder.encode("Name a color.")
     reference = greedy_reference(embedded.model, ids, 12)

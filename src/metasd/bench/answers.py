@@ -21,14 +21,16 @@ def answer_line(method: str, record: QuestionRecord) -> dict:
         "category": q.category,
         "answer_id": f"{method}-{q.question_id}",
         "model_id": method,
-        "choices": [{
-            "index": 0,
-            "turns": [t.text for t in record.turns],
-            "decoding_steps": [len(t.accept_lengths) for t in record.turns],
-            "new_tokens": [t.new_tokens for t in record.turns],
-            "wall_time": [t.wall_time for t in record.turns],
-            "accept_lengths": [a for t in record.turns for a in t.accept_lengths],
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "turns": [t.text for t in record.turns],
+                "decoding_steps": [len(t.accept_lengths) for t in record.turns],
+                "new_tokens": [t.new_tokens for t in record.turns],
+                "wall_time": [t.wall_time for t in record.turns],
+                "accept_lengths": [a for t in record.turns for a in t.accept_lengths],
+            }
+        ],
         "tstamp": time.time(),
     }
 

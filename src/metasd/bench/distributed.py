@@ -63,8 +63,14 @@ def host_info() -> dict:
     except ImportError:
         pass
     accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"hostname": socket.gethostname(), "node_id": node, "cpu": cpu, "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "accelerator": accelerator}
+    return {
+        "hostname": socket.gethostname(),
+        "node_id": node,
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "accelerator": accelerator,
+    }
 
 
 @dataclass
@@ -100,9 +106,17 @@ class QuestionBench:
         self.cfg, self.worker, self.kill_after, self.done = cfg, worker, kill_after, 0
         started = time.perf_counter()
         specs = parse_drafters(cfg.drafters)
-        self.decoder = decoder = Decoder(target=cfg.target, drafters=specs, policy="none", draft_len=cfg.draft_len,
-                                         dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
-                                         policy_scope=cfg.policy_scope, kernels=cfg.kernels)
+        self.decoder = decoder = Decoder(
+            target=cfg.target,
+            drafters=specs,
+            policy="none",
+            draft_len=cfg.draft_len,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            seed=cfg.seed,
+            policy_scope=cfg.policy_scope,
+            kernels=cfg.kernels,
+        )
         self.names = names = decoder.drafter_names
         self.methods = resolve_methods(cfg.methods, names, aliases=dict(zip(specs, names, strict=True)))
         self.pool = [decoder.drafters[n] for n in names]
@@ -138,10 +152,18 @@ class QuestionBench:
         import torch
         import transformers
 
-        return {"target": self.decoder.target.spec, "drafters": self.names,
-                "drafter_weights": drafter_weights(self.decoder), "methods": self.methods,
-                "timed": self.timed, "torch": torch.__version__, "transformers": transformers.__version__,
-                "python": platform.python_version(), "host": self.host, **self.times}
+        return {
+            "target": self.decoder.target.spec,
+            "drafters": self.names,
+            "drafter_weights": drafter_weights(self.decoder),
+            "methods": self.methods,
+            "timed": self.timed,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "host": self.host,
+            **self.times,
+        }
 
     def measure(self, index: int, q: Question) -> QuestionResult:
         if self.kill_after is not None and self.done >= self.kill_after:
@@ -154,17 +176,25 @@ class QuestionBench:
             nonlocal tables, paths
             self.history.restore()
             tables, paths, self.choices[q.question_id] = question_oracle(
-                self.pool, reference, self.oracle_k, cfg.max_new_tokens, decoder.cost_model(self.oracle_k + 1))
+                self.pool, reference, self.oracle_k, cfg.max_new_tokens, decoder.cost_model(self.oracle_k + 1)
+            )
 
         shift = index % len(self.others) if self.others else 0
-        records = measure_question(decoder, q, ["ar", *self.others[shift:], *self.others[:shift]],
-                                   lambda method: self._runner(method, q.question_id), cfg.repeat,
-                                   self.history.restore, oracle_tables if self.need_tables else None)
+        records = measure_question(
+            decoder,
+            q,
+            ["ar", *self.others[shift:], *self.others[:shift]],
+            lambda method: self._runner(method, q.question_id),
+            cfg.repeat,
+            self.history.restore,
+            oracle_tables if self.need_tables else None,
+        )
         reference = records["ar"]
         self.advance(reference)
         self.done += 1
-        return QuestionResult(index, q, records, tables, paths, self.host, self.worker,
-                              round(time.perf_counter() - start, 3))
+        return QuestionResult(
+            index, q, records, tables, paths, self.host, self.worker, round(time.perf_counter() - start, 3)
+        )
 
     def advance(self, reference) -> None:
         """The drafters' cross-request history gains one question's `ar` answers (as after measuring it)."""
@@ -174,11 +204,22 @@ class QuestionBench:
 def _fingerprint(cfg: BenchConfig, questions: list[Question]) -> dict:
     """What must match for a partial result to be reused by --resume."""
     ids = [q.question_id for q in questions]
-    return {"questions_file": str(cfg.questions), "target": cfg.target, "drafters": cfg.drafters,
-            "methods": cfg.methods, "max_new_tokens": cfg.max_new_tokens, "draft_len": cfg.draft_len,
-            "dtype": cfg.dtype, "device": cfg.device, "seed": cfg.seed, "policy_scope": cfg.policy_scope,
-            "drift": getattr(cfg, "drift", False), "kernels": cfg.kernels, "repeat": cfg.repeat,
-            "questions": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}
+    return {
+        "questions_file": str(cfg.questions),
+        "target": cfg.target,
+        "drafters": cfg.drafters,
+        "methods": cfg.methods,
+        "max_new_tokens": cfg.max_new_tokens,
+        "draft_len": cfg.draft_len,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "seed": cfg.seed,
+        "policy_scope": cfg.policy_scope,
+        "drift": getattr(cfg, "drift", False),
+        "kernels": cfg.kernels,
+        "repeat": cfg.repeat,
+        "questions": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
+    }
 
 
 class PartialStore:
@@ -191,8 +232,10 @@ class PartialStore:
             old = json.loads(meta.read_text(encoding="utf-8"))
             if old != fingerprint:
                 changed = sorted(k for k in fingerprint if old.get(k) != fingerprint[k])
-                raise ValueError(f"--resume: {self.dir} holds results of a different run (differs in "
-                                 f"{', '.join(changed)}); use another --out or drop --resume")
+                raise ValueError(
+                    f"--resume: {self.dir} holds results of a different run (differs in "
+                    f"{', '.join(changed)}); use another --out or drop --resume"
+                )
         elif self.dir.is_dir():
             for stale in self.dir.glob("q*.pkl"):
                 stale.unlink()
@@ -248,8 +291,11 @@ def run_distributed(cfg: BenchConfig, opts: ClusterOptions) -> dict:
     finished = {qid: r for qid, r in store.load().items() if qid in {q.question_id for q in questions}}
     todo = [(i, q) for i, q in enumerate(questions) if q.question_id not in finished]
     if cfg.progress:
-        print(f"bench: {len(questions)} questions, {len(finished)} already finished in {store.dir}, "
-              f"{len(todo)} to measure", file=sys.stderr)
+        print(
+            f"bench: {len(questions)} questions, {len(finished)} already finished in {store.dir}, "
+            f"{len(todo)} to measure",
+            file=sys.stderr,
+        )
     loadavg_start = _loadavg()
     started = time.perf_counter()
     resumed = len(finished)
@@ -263,8 +309,10 @@ def run_distributed(cfg: BenchConfig, opts: ClusterOptions) -> dict:
     if info is None:
         raise RuntimeError(f"--resume: {store.dir} lacks workers.json; run without --resume")
     if failed:
-        raise RuntimeError(f"questions {sorted(failed)} were lost with their workers twice; the other results are "
-                           f"in {store.dir} (rerun with --resume): " + "; ".join(failed.values()))
+        raise RuntimeError(
+            f"questions {sorted(failed)} were lost with their workers twice; the other results are "
+            f"in {store.dir} (rerun with --resume): " + "; ".join(failed.values())
+        )
     return _merge(cfg, questions, finished, info, cluster, loadavg_start, started, measured)
 
 
@@ -315,18 +363,29 @@ def _run_ray(cfg, opts, finished, todo, store):
         ray.init(address=address, include_dashboard=False, logging_level="warning", log_to_driver=cfg.progress)
     try:
         workers, worker_cpus, n_nodes = _plan(ray, opts)
-        cluster = {"mode": "ray", "address": opts.address, "nodes": n_nodes, "workers": workers,
-                   "worker_cpus": worker_cpus, "retries": [], "workers_lost": []}
+        cluster = {
+            "mode": "ray",
+            "address": opts.address,
+            "nodes": n_nodes,
+            "workers": workers,
+            "worker_cpus": worker_cpus,
+            "retries": [],
+            "workers_lost": [],
+        }
         if not todo:
             return None, cluster, {}
         kill = os.environ.get(KILL_ENV)
-        worker_cfg = BenchConfig(**{**cfg.__dict__, "threads": cfg.threads or worker_cpus, "progress": False,
-                                    "plots": False})
+        worker_cfg = BenchConfig(
+            **{**cfg.__dict__, "threads": cfg.threads or worker_cpus, "progress": False, "plots": False}
+        )
         gpus = 1 if cfg.device.startswith("cuda") else 0  # Ray hides GPUs from actors that reserve none
         Actor = ray.remote(num_cpus=worker_cpus, num_gpus=gpus, max_restarts=0, max_task_retries=0)(QuestionBench)
-        actors = {rank: Actor.options(scheduling_strategy="SPREAD").remote(
-                      worker_cfg, rank, int(kill) if kill is not None and rank == 0 else None)
-                  for rank in range(min(workers, len(todo)))}
+        actors = {
+            rank: Actor.options(scheduling_strategy="SPREAD").remote(
+                worker_cfg, rank, int(kill) if kill is not None and rank == 0 else None
+            )
+            for rank in range(min(workers, len(todo)))
+        }
         info = None
         ready = {a.describe.remote(): rank for rank, a in actors.items()}
         for ref, rank in ready.items():  # surface a load error (bad target, missing model) once, before any question
@@ -362,14 +421,14 @@ def _run_ray(cfg, opts, finished, todo, store):
                     raise RuntimeError(f"question {q.question_id} failed on worker {rank}: {err}") from None
                 except RayActorError as err:
                     lost = f"worker {rank} died measuring q{q.question_id} (attempt {attempt}): {_short(err)}"
-                    cluster["workers_lost"].append({"worker": rank, "question_id": q.question_id,
-                                                    "error": _short(err)})
+                    cluster["workers_lost"].append({"worker": rank, "question_id": q.question_id, "error": _short(err)})
                     del actors[rank]
                     print(f"bench: {lost}", file=sys.stderr)
                     if attempt < MAX_ATTEMPTS:
                         queue.appendleft((i, q, attempt + 1, [*fails, lost]))
-                        cluster["retries"].append({"question_id": q.question_id, "lost_on_worker": rank,
-                                                   "attempt": attempt + 1})
+                        cluster["retries"].append(
+                            {"question_id": q.question_id, "lost_on_worker": rank, "attempt": attempt + 1}
+                        )
                     else:
                         failed[q.question_id] = lost
                     continue
@@ -430,18 +489,30 @@ def _merge(cfg, questions, finished, info, cluster, loadavg_start, started, meas
         "measure_s": round(max(0.0, measured - started - info.get("load_s", 0.0) - info.get("warmup_s", 0.0)), 1),
         "loadavg_start": loadavg_start,
         "hf_pld": {"prompt_lookup_num_tokens": cfg.draft_len, "max_matching_ngram_size": 3},
-        "hf_assisted": ({"assistant": lm_drafters(names)[0], "assistant_weights": "as loaded",
-                         "num_assistant_tokens": cfg.draft_len,
-                         "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
-                        if "hf-assisted" in methods else None),
+        "hf_assisted": (
+            {
+                "assistant": lm_drafters(names)[0],
+                "assistant_weights": "as loaded",
+                "num_assistant_tokens": cfg.draft_len,
+                "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.0,
+            }
+            if "hf-assisted" in methods
+            else None
+        ),
         "cluster": {**cluster, "hosts": list(hosts.values())},
         **cfg.extra,
     }
     summary = summarize(results, questions, methods, names, tables, paths, config)
     for entry in summary["questions"]:
         r = finished[entry["question_id"]]
-        entry["ran_on"] = {"hostname": r.host["hostname"], "node_id": r.host.get("node_id"), "worker": r.worker,
-                           "attempt": r.attempt, "seconds": r.seconds}
+        entry["ran_on"] = {
+            "hostname": r.host["hostname"],
+            "node_id": r.host.get("node_id"),
+            "worker": r.worker,
+            "attempt": r.attempt,
+            "seconds": r.seconds,
+        }
     summary = write_outputs(cfg, summary, results, questions, timed, names, tables, started)
     out = Path(cfg.out).expanduser()
     with (out / "report.md").open("a", encoding="utf-8") as f:
@@ -454,21 +525,33 @@ def render_cluster(summary: dict) -> str:
     c = summary["config"].get("cluster") or {}
     lines = ["", "## Where questions ran", ""]
     if c.get("mode") == "ray":
-        lines.append(f"Ray at `{c.get('address')}`: {c.get('workers')} workers of {c.get('worker_cpus')} CPUs on "
-                     f"{c.get('nodes')} nodes.")
+        lines.append(
+            f"Ray at `{c.get('address')}`: {c.get('workers')} workers of {c.get('worker_cpus')} CPUs on "
+            f"{c.get('nodes')} nodes."
+        )
     else:
         lines.append("In this process.")
-    lines += ["", "| host | node | CPU | CPUs | torch threads | accelerator | questions |",
-              "|---|---|---|---:|---:|---|---:|"]
+    lines += [
+        "",
+        "| host | node | CPU | CPUs | torch threads | accelerator | questions |",
+        "|---|---|---|---:|---:|---|---:|",
+    ]
     for h in c.get("hosts", []):
-        n = sum(1 for q in summary["questions"] if (q["ran_on"]["node_id"] or q["ran_on"]["hostname"])
-                == (h.get("node_id") or h["hostname"]))
-        lines.append(f"| {h['hostname']} | {(h.get('node_id') or '–')[:12]} | {h['cpu']} | {h['cpus']} | "
-                     f"{h['torch_threads']} | {h.get('accelerator') or '–'} | {n} |")
+        n = sum(
+            1
+            for q in summary["questions"]
+            if (q["ran_on"]["node_id"] or q["ran_on"]["hostname"]) == (h.get("node_id") or h["hostname"])
+        )
+        lines.append(
+            f"| {h['hostname']} | {(h.get('node_id') or '–')[:12]} | {h['cpu']} | {h['cpus']} | "
+            f"{h['torch_threads']} | {h.get('accelerator') or '–'} | {n} |"
+        )
     lines.append("")
     for r in c.get("retries", []):
-        lines.append(f"- question {r['question_id']}: its worker {r['lost_on_worker']} died; measured again "
-                     f"(attempt {r['attempt']}).")
+        lines.append(
+            f"- question {r['question_id']}: its worker {r['lost_on_worker']} died; measured again "
+            f"(attempt {r['attempt']})."
+        )
     for w in c.get("workers_lost", []):
         if "question_id" not in w:
             lines.append(f"- worker {w['worker']} failed to start: {w['error']}")

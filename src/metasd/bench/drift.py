@@ -36,14 +36,27 @@ COPY = ("summarization", "rag")
 _ID_BASE = 1_000_000  # drift request ids: KIND_INDEX * 10_000 + n + this, far from Spec-Bench's 1..480
 # The drift methods when --methods is not given: the baselines and oracles the issue's table needs, the paper's
 # UCB, UCB at the drifting policies' beta (the control that isolates forgetting), and the forgetting bandits.
-METHODS = ("ar", "oracle-round", "oracle-category", "metasd-ucb", "metasd-ucb:0.1", "metasd-ucb-cost", "ducb",
-           "swucb", "ducb-cost", "swucb-cost", "metasd-adaptive")
+METHODS = (
+    "ar",
+    "oracle-round",
+    "oracle-category",
+    "metasd-ucb",
+    "metasd-ucb:0.1",
+    "metasd-ucb-cost",
+    "ducb",
+    "swucb",
+    "ducb-cost",
+    "swucb-cost",
+    "metasd-adaptive",
+)
 
 
 def template(first: str, second: str) -> str:
-    return (f"I have two requests. Answer them one after the other.\n\n## Request 1\n{first}\n\n## Request 2\n"
-            f"{second}\n\nStart your reply with \"## Answer 1\" and answer request 1. Then write \"{MARKER}\" on a "
-            "line of its own and answer request 2.")
+    return (
+        f"I have two requests. Answer them one after the other.\n\n## Request 1\n{first}\n\n## Request 2\n"
+        f'{second}\n\nStart your reply with "## Answer 1" and answer request 1. Then write "{MARKER}" on a '
+        "line of its own and answer request 2."
+    )
 
 
 @dataclass(frozen=True)
@@ -54,9 +67,14 @@ class DriftRequest:
     second: tuple[int, str]  # of request 2 (for drift-translation: the article the English sentence comes from)
 
     def to_json(self) -> dict:
-        return {"question_id": self.question.question_id, "kind": self.kind, "prompt": self.question.turns[0],
-                "first": {"question_id": self.first[0], "category": self.first[1]},
-                "second": {"question_id": self.second[0], "category": self.second[1]}, "marker": MARKER}
+        return {
+            "question_id": self.question.question_id,
+            "kind": self.kind,
+            "prompt": self.question.turns[0],
+            "first": {"question_id": self.first[0], "category": self.first[1]},
+            "second": {"question_id": self.second[0], "category": self.second[1]},
+            "marker": MARKER,
+        }
 
 
 def _first_sentence(article: str) -> str:
@@ -65,8 +83,9 @@ def _first_sentence(article: str) -> str:
     return (match.group(1) if match else text[:200]).strip()
 
 
-def drift_requests(questions: list[Question], seed: int = 0, per_kind: int | None = 3,
-                   kinds: Sequence[str] | None = None) -> list[DriftRequest]:
+def drift_requests(
+    questions: list[Question], seed: int = 0, per_kind: int | None = 3, kinds: Sequence[str] | None = None
+) -> list[DriftRequest]:
     """`per_kind` requests of each kind (None: 3), the same for the same seed and question file."""
     kinds = list(KINDS) if kinds is None else list(kinds)
     for kind in kinds:
@@ -76,8 +95,10 @@ def drift_requests(questions: list[Question], seed: int = 0, per_kind: int | Non
         per_kind = 3
     if not isinstance(per_kind, int) or not 1 <= per_kind <= 1000:
         raise ValueError(f"per-category must be an integer in [1, 1000], got {per_kind!r}")
-    pools = {c: [q for q in questions if q.category == c] for c in
-             ("summarization", "rag", "math_reasoning", "coding", "translation")}
+    pools = {
+        c: [q for q in questions if q.category == c]
+        for c in ("summarization", "rag", "math_reasoning", "coding", "translation")
+    }
     for c, pool in pools.items():
         if not pool:
             raise ValueError(f"the questions file holds no {c} questions (the drift workload needs them)")
@@ -95,8 +116,11 @@ def drift_requests(questions: list[Question], seed: int = 0, per_kind: int | Non
                 b = rng.choice(pools["math_reasoning" if kind == "drift-copy-math" else "coding"])
                 first, second = a.turns[0], b.turns[0]
             prompt = template(first.strip(), second.strip())
-            out.append(DriftRequest(Question(qid, kind, (prompt,)), kind, (a.question_id, a.category),
-                                    (b.question_id, b.category)))
+            out.append(
+                DriftRequest(
+                    Question(qid, kind, (prompt,)), kind, (a.question_id, a.category), (b.question_id, b.category)
+                )
+            )
     return out
 
 
@@ -140,8 +164,9 @@ def _picks(rounds, boundary: int | None) -> dict[str, dict[str, int]]:
     return out
 
 
-def summarize_drift(requests: list[DriftRequest], results: dict, methods: Sequence[str],
-                    decode: Callable[[list[int]], str]) -> dict:
+def summarize_drift(
+    requests: list[DriftRequest], results: dict, methods: Sequence[str], decode: Callable[[list[int]], str]
+) -> dict:
     """Per drift request: its boundary, each method's tokens/s and its ratio to `ar`, to the static router (the
     best fixed drafter for this request, in hindsight) and to `oracle-round`; drafter picks per segment."""
     timed = [m for m in methods if m in results]
@@ -161,27 +186,39 @@ def summarize_drift(requests: list[DriftRequest], results: dict, methods: Sequen
         if static:
             static_speeds.append(speed[static])
         orr = speed.get("oracle-round")
-        rows.append({
-            **req.to_json(), "boundary_token": boundary, "new_tokens": ar.new_tokens,
-            "tokens_per_second": {m: round(v, 3) for m, v in speed.items()},
-            "static_router": static,
-            "vs_ar": {m: round(v / speed["ar"], 4) for m, v in speed.items()},
-            "vs_static_router": {m: round(v / speed[static], 4) for m, v in speed.items()} if static else None,
-            "vs_oracle_round": {m: round(v / orr, 4) for m, v in speed.items()} if orr else None,
-            "picks": {m: _picks(results[m][qid].turns[0].rounds, boundary) for m in timed
-                      if results[m][qid].turns[0].rounds is not None and m != "ar"},
-        })
+        rows.append(
+            {
+                **req.to_json(),
+                "boundary_token": boundary,
+                "new_tokens": ar.new_tokens,
+                "tokens_per_second": {m: round(v, 3) for m, v in speed.items()},
+                "static_router": static,
+                "vs_ar": {m: round(v / speed["ar"], 4) for m, v in speed.items()},
+                "vs_static_router": {m: round(v / speed[static], 4) for m, v in speed.items()} if static else None,
+                "vs_oracle_round": {m: round(v / orr, 4) for m, v in speed.items()} if orr else None,
+                "picks": {
+                    m: _picks(results[m][qid].turns[0].rounds, boundary)
+                    for m in timed
+                    if results[m][qid].turns[0].rounds is not None and m != "ar"
+                },
+            }
+        )
     overall = {}
     if rows:
         for m in timed:
             overall[m] = {
                 "vs_ar": round(metrics.speedup(speeds[m], speeds["ar"]), 4),
                 "vs_static_router": round(metrics.speedup(speeds[m], static_speeds), 4) if static_speeds else None,
-                "vs_oracle_round": (round(metrics.speedup(speeds[m], speeds["oracle-round"]), 4)
-                                    if "oracle-round" in speeds else None),
+                "vs_oracle_round": (
+                    round(metrics.speedup(speeds[m], speeds["oracle-round"]), 4) if "oracle-round" in speeds else None
+                ),
             }
-    return {"marker": MARKER, "requests": rows, "overall": overall,
-            "with_boundary": sum(r["boundary_token"] is not None for r in rows)}
+    return {
+        "marker": MARKER,
+        "requests": rows,
+        "overall": overall,
+        "with_boundary": sum(r["boundary_token"] is not None for r in rows),
+    }
 
 
 def add_drift(cfg, summary: dict, results: dict, out: Path) -> None:
@@ -192,6 +229,7 @@ def add_drift(cfg, summary: dict, results: dict, out: Path) -> None:
     requests = drift_requests(load_questions(cfg.questions), cfg.seed, cfg.per_category, cfg.categories)
     write_prompts(out / "drift_prompts.jsonl", requests)
     tokenizer = load_tokenizer(summary["config"]["target"])
-    summary["drift"] = summarize_drift(requests, results, summary["config"]["methods"],
-                                       lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    summary["drift"] = summarize_drift(
+        requests, results, summary["config"]["methods"], lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    )
     summary["drift"]["prompts_file"] = "drift_prompts.jsonl"

@@ -31,8 +31,9 @@ def default_methods(drafters: list[str]) -> list[str]:
     return ["ar", *hf, *(f"fixed:{d}" for d in drafters), *POLICIES, *ORACLES]
 
 
-def resolve_methods(requested: list[str] | None, drafters: list[str], aliases: dict[str, str] | None = None,
-                    strict: bool = True) -> list[str]:
+def resolve_methods(
+    requested: list[str] | None, drafters: list[str], aliases: dict[str, str] | None = None, strict: bool = True
+) -> list[str]:
     """Validate and complete a method list for this drafter pool.
 
     `ar` is always measured (it is the baseline and the reference output); `oracle-category` brings the

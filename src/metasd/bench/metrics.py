@@ -51,8 +51,12 @@ def reward_stats(values: Sequence[float], zero_tol: float = 1e-6) -> dict:
     if not len(values):
         return {"n": 0, "mean": None, "var": None, "zero_rate": None}
     arr = np.asarray(values, dtype=float)
-    return {"n": int(arr.size), "mean": float(arr.mean()), "var": float(arr.var()),
-            "zero_rate": float(np.mean(arr <= zero_tol))}
+    return {
+        "n": int(arr.size),
+        "mean": float(arr.mean()),
+        "var": float(arr.var()),
+        "zero_rate": float(np.mean(arr <= zero_tol)),
+    }
 
 
 def share(value: float | None, reference: float | None) -> float | None:

@@ -62,8 +62,9 @@ class AcceptanceTable:
         return float(self.draft_seconds[arm]) * (k if per_token else 1)
 
 
-def acceptance_table(drafters: Sequence, prompt: list[int], reference: list[int], max_draft: int,
-                     max_new_tokens: int) -> AcceptanceTable:
+def acceptance_table(
+    drafters: Sequence, prompt: list[int], reference: list[int], max_draft: int, max_new_tokens: int
+) -> AcceptanceTable:
     """accepted[pos, d] for every position of the reference, for drafts of up to `max_draft` tokens.
 
     A model drafter (`has_cache`) drafts greedily one token at a time from context + its own tokens, so while its
@@ -207,8 +208,9 @@ class TurnOracle:
     path: OraclePath
 
 
-def turn_oracle(drafters: Sequence, prompt: list[int], reference: list[int], max_draft: int, max_new_tokens: int,
-                costs) -> TurnOracle:
+def turn_oracle(
+    drafters: Sequence, prompt: list[int], reference: list[int], max_draft: int, max_new_tokens: int, costs
+) -> TurnOracle:
     """The table (drafts up to max_draft), and the plan under `costs` (the decoder's CostModel: T(M) as calibrated
     and refined so far, and the per-round overhead)."""
     table = acceptance_table(drafters, prompt, reference, max_draft, max_new_tokens)
@@ -217,9 +219,11 @@ def turn_oracle(drafters: Sequence, prompt: list[int], reference: list[int], max
     return TurnOracle(table, plan, oracle_path(plan))
 
 
-def question_oracle(drafters: Sequence, reference, max_draft: int, max_new_tokens: int,
-                    costs) -> tuple[list[AcceptanceTable], list[OraclePath], list[list[Step]]]:
+def question_oracle(
+    drafters: Sequence, reference, max_draft: int, max_new_tokens: int, costs
+) -> tuple[list[AcceptanceTable], list[OraclePath], list[list[Step]]]:
     """`turn_oracle` for every turn of a question's reference record (`ar`'s): the tables, the walks, the plans."""
-    turns = [turn_oracle(drafters, t.prompt_ids, t.token_ids, max_draft, max_new_tokens, costs)
-             for t in reference.turns]
+    turns = [
+        turn_oracle(drafters, t.prompt_ids, t.token_ids, max_draft, max_new_tokens, costs) for t in reference.turns
+    ]
     return [t.table for t in turns], [t.path for t in turns], [t.plan for t in turns]

@@ -28,8 +28,17 @@ def speedup_heatmap(summary: dict, path: Path) -> None:
     """Speedup over `ar` per Spec-Bench group (columns) and method (rows), numbers written in the cells."""
     methods = list(summary["methods"])
     cols = [*summary["groups"], "overall"]
-    data = np.array([[summary["methods"][m]["groups"][g]["speedup"] if g != "overall"
-                      else summary["methods"][m]["overall"]["speedup"] for g in cols] for m in methods])
+    data = np.array(
+        [
+            [
+                summary["methods"][m]["groups"][g]["speedup"]
+                if g != "overall"
+                else summary["methods"][m]["overall"]["speedup"]
+                for g in cols
+            ]
+            for m in methods
+        ]
+    )
     fig = Figure(figsize=(1.1 * len(cols) + 3.2, 0.42 * len(methods) + 1.6), layout="constrained")
     ax = fig.add_subplot()
     lo, hi = min(float(data.min()), 0.99), max(float(data.max()), 1.01)
@@ -111,8 +120,9 @@ def mark_boundary(ax, round_logs: list, boundary: int) -> None:
             pos += r.emitted
 
 
-def cumulative_regret(results, summary: dict, drafters: list[str], tables: dict[int, list[AcceptanceTable]],
-                      path: Path) -> bool:
+def cumulative_regret(
+    results, summary: dict, drafters: list[str], tables: dict[int, list[AcceptanceTable]], path: Path
+) -> bool:
     """Cumulative regret (tokens) against oracle-round, per policy, for the same showcase questions."""
     cases = [c for c in showcase(results, summary) if c[0] in tables]
     methods = [m for m in _pickers(summary) if m != "oracle-round"]
@@ -124,13 +134,19 @@ def cumulative_regret(results, summary: dict, drafters: list[str], tables: dict[
         for i, m in enumerate(methods):
             rounds = results[m][qid].turns[0].rounds or []
             curve = regret(tables[qid][0], rounds, drafters).cumulative
-            ax.plot(range(1, len(curve) + 1), curve, label=label(m), color=color(i),
-                    linestyle=STYLES[i % len(STYLES)], linewidth=1.6)
+            ax.plot(
+                range(1, len(curve) + 1),
+                curve,
+                label=label(m),
+                color=color(i),
+                linestyle=STYLES[i % len(STYLES)],
+                linewidth=1.6,
+            )
         ax.set_title(f"question {qid} ({group}), turn 1", fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("cumulative regret (tokens)")
         ax.grid(alpha=0.3)
-    for ax in axes[len(cases):]:
+    for ax in axes[len(cases) :]:
         ax.set_visible(False)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 6), fontsize=8)

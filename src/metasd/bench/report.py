@@ -38,67 +38,126 @@ def render(summary: dict, plots: list[str]) -> str:
     out = ["# metasd bench", ""]
     weights = c.get("drafter_weights", {})
     pool = ", ".join(f"`{label(d)}`" + (f" (weights: {weights[d]})" if d in weights else "") for d in c["drafters"])
-    out += [f"- command: `{c['command']}`" if c.get("command") else "",
-            f"- target `{c['target']}`, dtype {c['dtype']}, device {c.get('device', 'cpu')}, drafters {pool}, "
-            f"draft length k = {c['draft_len']}, max new tokens {c['max_new_tokens']}, greedy",
-            f"- {len(summary['questions'])} questions ({c['turns']} turns) from `{c['questions_file']}`: "
-            + ", ".join(f"{g} {sum(q['group'] == g for q in summary['questions'])}" for g in summary["groups"]),
-            f"- {c['threads']} torch threads on {c['cpus']} CPUs; torch {c['torch']}, "
-            f"transformers {c['transformers']}; seed {c['seed']}; policy scope {c['policy_scope']}"
-            + (f"; fastest of {c['repeat']} passes per question and method" if c.get("repeat", 1) > 1 else ""),
-            f"- run wall time {c['wall_time_s']:.0f} s (model load {c['load_s']:.0f} s, warm-up {c['warmup_s']:.0f} s, "
-            f"measured runs and oracle tables {c['measure_s']:.0f} s); load average at start / end "
-            f"{c['loadavg_start']} / {c['loadavg_end']} (other processes on the machine skew absolute speeds)",
-            ""]
+    out += [
+        f"- command: `{c['command']}`" if c.get("command") else "",
+        f"- target `{c['target']}`, dtype {c['dtype']}, device {c.get('device', 'cpu')}, drafters {pool}, "
+        f"draft length k = {c['draft_len']}, max new tokens {c['max_new_tokens']}, greedy",
+        f"- {len(summary['questions'])} questions ({c['turns']} turns) from `{c['questions_file']}`: "
+        + ", ".join(f"{g} {sum(q['group'] == g for q in summary['questions'])}" for g in summary["groups"]),
+        f"- {c['threads']} torch threads on {c['cpus']} CPUs; torch {c['torch']}, "
+        f"transformers {c['transformers']}; seed {c['seed']}; policy scope {c['policy_scope']}"
+        + (f"; fastest of {c['repeat']} passes per question and method" if c.get("repeat", 1) > 1 else ""),
+        f"- run wall time {c['wall_time_s']:.0f} s (model load {c['load_s']:.0f} s, warm-up {c['warmup_s']:.0f} s, "
+        f"measured runs and oracle tables {c['measure_s']:.0f} s); load average at start / end "
+        f"{c['loadavg_start']} / {c['loadavg_end']} (other processes on the machine skew absolute speeds)",
+        "",
+    ]
     corr = summary["correctness"]
-    out += ["## Correctness", "",
-            f"Greedy outputs of every method compared token for token with `ar`: {corr['compared_turns']} turns, "
-            f"**{corr['mismatches']} mismatches**.", ""]
+    out += [
+        "## Correctness",
+        "",
+        f"Greedy outputs of every method compared token for token with `ar`: {corr['compared_turns']} turns, "
+        f"**{corr['mismatches']} mismatches**.",
+        "",
+    ]
     if corr["details"]:
-        out += _table(["method", "question", "turn", "first differing token", "tokens", "ar tokens"],
-                      [[f"`{label(d['method'])}`", str(d["question_id"]), str(d["turn"]), str(d["first_difference"]),
-                        str(d["tokens"]), str(d["reference_tokens"])] for d in corr["details"]])
-    out += ["## Speedup over `ar`", "", "Spec-Bench's definition: mean tokens/s of the method over `ar`'s on the same "
-            "questions.", ""] + _per_group(summary, "speedup")
-    out += ["## Mean accepted tokens", "", "Tokens per target forward (accepted draft tokens + 1), pooled over rounds.",
-            ""] + _per_group(summary, "mean_accepted_tokens")
+        out += _table(
+            ["method", "question", "turn", "first differing token", "tokens", "ar tokens"],
+            [
+                [
+                    f"`{label(d['method'])}`",
+                    str(d["question_id"]),
+                    str(d["turn"]),
+                    str(d["first_difference"]),
+                    str(d["tokens"]),
+                    str(d["reference_tokens"]),
+                ]
+                for d in corr["details"]
+            ],
+        )
+    out += [
+        "## Speedup over `ar`",
+        "",
+        "Spec-Bench's definition: mean tokens/s of the method over `ar`'s on the same questions.",
+        "",
+    ] + _per_group(summary, "speedup")
+    out += [
+        "## Mean accepted tokens",
+        "",
+        "Tokens per target forward (accepted draft tokens + 1), pooled over rounds.",
+        "",
+    ] + _per_group(summary, "mean_accepted_tokens")
     out += ["## Tokens per second", ""] + _per_group(summary, "tokens_per_second", 1)
 
     choice = summary["oracle_category"]["choice"]
     if choice:
-        out += ["## Oracles", "", "`oracle-category` takes, per group, the fixed drafter with the best tokens/s there: "
-                + ", ".join(f"{g} → `{label(m)}`" for g, m in choice.items()) + ".", ""]
+        out += [
+            "## Oracles",
+            "",
+            "`oracle-category` takes, per group, the fixed drafter with the best tokens/s there: "
+            + ", ".join(f"{g} → `{label(m)}`" for g, m in choice.items())
+            + ".",
+            "",
+        ]
     hind = summary["oracle_round"]["hindsight"].get("overall")
     if hind and "oracle-round" in methods:
-        out += ["`oracle-round` is the fastest per-round schedule in hindsight: every round a drafter and a draft "
-                "length (0: a plain step), chosen by dynamic programming over the true context to minimise the time "
-                "under this machine's measured T(M), drafter and per-round costs; each draft is one that is fully "
-                f"accepted (hindsight walk: {hind['rounds']} rounds, mean accepted tokens "
-                f"{hind['mean_accepted_tokens']:.2f}). Its row above is the replay of that plan through the engine, "
-                "timed. It may draft as long as the longest draft of any method in this run.",
-                ""]
+        out += [
+            "`oracle-round` is the fastest per-round schedule in hindsight: every round a drafter and a draft "
+            "length (0: a plain step), chosen by dynamic programming over the true context to minimise the time "
+            "under this machine's measured T(M), drafter and per-round costs; each draft is one that is fully "
+            f"accepted (hindsight walk: {hind['rounds']} rounds, mean accepted tokens "
+            f"{hind['mean_accepted_tokens']:.2f}). Its row above is the replay of that plan through the engine, "
+            "timed. It may draft as long as the longest draft of any method in this run.",
+            "",
+        ]
     shares = summary["shares"]
     if shares:
-        header = ["method", "speedup", "of oracle-category", "of oracle-round", "mean acc. tokens",
-                  "of oracle-round MAT", "regret / round", "extra rounds vs oracle"]
+        header = [
+            "method",
+            "speedup",
+            "of oracle-category",
+            "of oracle-round",
+            "mean acc. tokens",
+            "of oracle-round MAT",
+            "regret / round",
+            "extra rounds vs oracle",
+        ]
         rows = []
         for method, row in shares.items():
             o = methods[method]["overall"]
             oc = row.get("oracle-category", {}).get("overall", {})
             orr = row.get("oracle-round", {}).get("overall", {})
-            rows.append([f"`{label(method)}`", _fmt(o["speedup"]), _fmt(oc.get("speedup"), 1, True),
-                         _fmt(orr.get("speedup"), 1, True), _fmt(o["mean_accepted_tokens"]),
-                         _fmt(orr.get("mean_accepted_tokens"), 1, True), _fmt(o.get("regret_per_round")),
-                         _fmt(o.get("extra_rounds_vs_oracle"))])
-        out += ["## Share of the oracles each policy reaches (overall)", "",
-                "Regret per round: the best drafter's accepted length at that round's position minus the chosen "
-                "drafter's (tokens). Extra rounds: target forwards beyond the oracle's hindsight walk.", ""]
+            rows.append(
+                [
+                    f"`{label(method)}`",
+                    _fmt(o["speedup"]),
+                    _fmt(oc.get("speedup"), 1, True),
+                    _fmt(orr.get("speedup"), 1, True),
+                    _fmt(o["mean_accepted_tokens"]),
+                    _fmt(orr.get("mean_accepted_tokens"), 1, True),
+                    _fmt(o.get("regret_per_round")),
+                    _fmt(o.get("extra_rounds_vs_oracle")),
+                ]
+            )
+        out += [
+            "## Share of the oracles each policy reaches (overall)",
+            "",
+            "Regret per round: the best drafter's accepted length at that round's position minus the chosen "
+            "drafter's (tokens). Extra rounds: target forwards beyond the oracle's hindsight walk.",
+            "",
+        ]
         out += _table(header, rows)
         groups = summary["groups"]
         for oracle in ("oracle-category", "oracle-round"):
-            policy_rows = [[f"`{label(m)}`", *(_fmt(r[oracle][g]["speedup"], 1, True) for g in groups),
-                            _fmt(r[oracle]["overall"]["speedup"], 1, True)]
-                           for m, r in shares.items() if is_policy(m) and oracle in r]
+            policy_rows = [
+                [
+                    f"`{label(m)}`",
+                    *(_fmt(r[oracle][g]["speedup"], 1, True) for g in groups),
+                    _fmt(r[oracle]["overall"]["speedup"], 1, True),
+                ]
+                for m, r in shares.items()
+                if is_policy(m) and oracle in r
+            ]
             if policy_rows:
                 out += [f"Share of `{oracle}`'s speedup per group:", ""]
                 out += _table(["policy", *groups, "overall"], policy_rows)
@@ -111,26 +170,65 @@ def render(summary: dict, plots: list[str]) -> str:
             continue
         picked = sum(o["drafter_rounds"].values())
         shares = [_fmt(o["drafter_rounds"].get(d, 0) / picked, 0, True) if picked else "–" for d in drafters]
-        engine_rows.append([f"`{label(m)}`", _fmt(o["rounds"]), *shares, _fmt(o["switches"]),
-                            _fmt(o["catch_up_tokens"]), _fmt(o["draft_time_share"], 1, True),
-                            _fmt(o["verify_time_share"], 1, True), _fmt(o["policy_overhead"], 3, True),
-                            _fmt(o.get("oracle_table_disagreements"))])
-    out += ["## Engine bookkeeping (overall)", "",
-            "Drafter columns: share of drafting rounds given to each drafter. Draft / verify / policy: share of wall "
-            "time spent drafting (catch-up included), in the target's forward, and in select/update/reward. Table "
-            "disagreements: rounds where the engine's acceptance differs from the oracle table's (float numerics of "
-            "a drafter's cache), expected 0.", ""]
-    out += _table(["method", "rounds", *(f"{label(d)}" for d in drafters), "switches", "catch-up tokens", "draft",
-                   "verify", "policy", "table disagreements"], engine_rows)
+        engine_rows.append(
+            [
+                f"`{label(m)}`",
+                _fmt(o["rounds"]),
+                *shares,
+                _fmt(o["switches"]),
+                _fmt(o["catch_up_tokens"]),
+                _fmt(o["draft_time_share"], 1, True),
+                _fmt(o["verify_time_share"], 1, True),
+                _fmt(o["policy_overhead"], 3, True),
+                _fmt(o.get("oracle_table_disagreements")),
+            ]
+        )
+    out += [
+        "## Engine bookkeeping (overall)",
+        "",
+        "Drafter columns: share of drafting rounds given to each drafter. Draft / verify / policy: share of wall "
+        "time spent drafting (catch-up included), in the target's forward, and in select/update/reward. Table "
+        "disagreements: rounds where the engine's acceptance differs from the oracle table's (float numerics of "
+        "a drafter's cache), expected 0.",
+        "",
+    ]
+    out += _table(
+        [
+            "method",
+            "rounds",
+            *(f"{label(d)}" for d in drafters),
+            "switches",
+            "catch-up tokens",
+            "draft",
+            "verify",
+            "policy",
+            "table disagreements",
+        ],
+        engine_rows,
+    )
 
     rewards = summary["reward_stats"]
     if rewards:
-        rows = [[f"`{label(d)}`", _fmt(s["bd"]["n"]), _fmt(s["bd"]["mean"], 3), _fmt(s["bd"]["var"], 4),
-                 _fmt(s["bd"]["zero_rate"], 1, True), _fmt(s["be"]["mean"], 3), _fmt(s["be"]["var"], 4),
-                 _fmt(s["be"]["zero_rate"], 1, True)] for d, s in rewards.items()]
-        out += ["## Reward statistics per drafter (the paper's Table 2)", "",
-                "From each drafter's fixed run: BD (block divergence, the mean of 1 − TV over the k drafted positions) "
-                "and BE (block efficiency, accepted / k) of the same rounds. Zero: reward ≤ 1e-6.", ""]
+        rows = [
+            [
+                f"`{label(d)}`",
+                _fmt(s["bd"]["n"]),
+                _fmt(s["bd"]["mean"], 3),
+                _fmt(s["bd"]["var"], 4),
+                _fmt(s["bd"]["zero_rate"], 1, True),
+                _fmt(s["be"]["mean"], 3),
+                _fmt(s["be"]["var"], 4),
+                _fmt(s["be"]["zero_rate"], 1, True),
+            ]
+            for d, s in rewards.items()
+        ]
+        out += [
+            "## Reward statistics per drafter (the paper's Table 2)",
+            "",
+            "From each drafter's fixed run: BD (block divergence, the mean of 1 − TV over the k drafted positions) "
+            "and BE (block efficiency, accepted / k) of the same rounds. Zero: reward ≤ 1e-6.",
+            "",
+        ]
         out += _table(["drafter", "rounds", "BD mean", "BD var", "BD zero", "BE mean", "BE var", "BE zero"], rows)
 
     out += _costs_and_lengths(summary)
@@ -147,23 +245,40 @@ def _drift(summary: dict) -> list[str]:
     rows = d["requests"]
     if not rows:
         return []
-    out = ["## Drift within a request", "",
-           f"Each request asks two tasks in one turn (prompts in `{d.get('prompts_file', 'drift_prompts.jsonl')}`); "
-           f"the boundary is the output token where `{d['marker']}` starts in `ar`'s output ({d['with_boundary']} of "
-           f"{len(rows)} requests have one; – where the model never wrote the marker). Static router: the fixed "
-           "drafter with the best tokens/s on that request, in hindsight (a per-request `oracle-category`).", ""]
-    out += _table(["request", "kind", "request 1", "request 2", "boundary / tokens", "static router"],
-                  [[str(r["question_id"]), r["kind"], f"{r['first']['category']} {r['first']['question_id']}",
-                    f"{r['second']['category']} {r['second']['question_id']}",
-                    f"{_fmt(r['boundary_token'])} / {r['new_tokens']}", f"`{label(r['static_router'] or '–')}`"]
-                   for r in rows])
+    out = [
+        "## Drift within a request",
+        "",
+        f"Each request asks two tasks in one turn (prompts in `{d.get('prompts_file', 'drift_prompts.jsonl')}`); "
+        f"the boundary is the output token where `{d['marker']}` starts in `ar`'s output ({d['with_boundary']} of "
+        f"{len(rows)} requests have one; – where the model never wrote the marker). Static router: the fixed "
+        "drafter with the best tokens/s on that request, in hindsight (a per-request `oracle-category`).",
+        "",
+    ]
+    out += _table(
+        ["request", "kind", "request 1", "request 2", "boundary / tokens", "static router"],
+        [
+            [
+                str(r["question_id"]),
+                r["kind"],
+                f"{r['first']['category']} {r['first']['question_id']}",
+                f"{r['second']['category']} {r['second']['question_id']}",
+                f"{_fmt(r['boundary_token'])} / {r['new_tokens']}",
+                f"`{label(r['static_router'] or '–')}`",
+            ]
+            for r in rows
+        ],
+    )
     methods = [m for m in d["overall"] if m != "ar"]
-    for key, title in (("vs_ar", "Speedup over `ar`"), ("vs_static_router", "Speed relative to the static router"),
-                       ("vs_oracle_round", "Speed relative to `oracle-round`")):
+    for key, title in (
+        ("vs_ar", "Speedup over `ar`"),
+        ("vs_static_router", "Speed relative to the static router"),
+        ("vs_oracle_round", "Speed relative to `oracle-round`"),
+    ):
         if all(r[key] is None for r in rows):
             continue
-        table = [[f"`{label(m)}`", *(_fmt((r[key] or {}).get(m)) for r in rows), _fmt(d["overall"][m][key])]
-                 for m in methods]
+        table = [
+            [f"`{label(m)}`", *(_fmt((r[key] or {}).get(m)) for r in rows), _fmt(d["overall"][m][key])] for m in methods
+        ]
         out += [f"{title} per drift request (overall: ratio of mean tokens/s):", ""]
         out += _table(["method", *(str(r["question_id"]) for r in rows), "overall"], table)
     drafters = summary["config"]["drafters"]
@@ -178,8 +293,9 @@ def _drift(summary: dict) -> list[str]:
                 cells += [_fmt(counts[dr] / total, 0, True) if total else "–" for dr in drafters]
             table.append([f"`{label(m)}`", *cells])
         out += ["Share of drafting rounds per drafter before (1) and after (2) the boundary, requests with one:", ""]
-        out += _table(["method", *(f"1: {label(dr)}" for dr in drafters), *(f"2: {label(dr)}" for dr in drafters)],
-                      table)
+        out += _table(
+            ["method", *(f"1: {label(dr)}" for dr in drafters), *(f"2: {label(dr)}" for dr in drafters)], table
+        )
     return out
 
 
@@ -189,12 +305,20 @@ def _costs_and_lengths(summary: dict) -> list[str]:
     cost = summary["config"].get("target_cost_ms")
     if cost:
         cal, end = cost["calibrated"], cost["end_of_run"]
-        out += ["## Target cost T(M)", "",
-                "A cached target forward over M new tokens: calibrated at load (`metasd calibrate`), and as refined "
-                "online from the run's rounds (these include the acceptance rule); the linear kernel calibration chose "
-                "for each M (`linear_kernels.py`: `linear` is torch's own).", ""]
-        rows = [["calibrated ms", *(_fmt(t, 1) for t in cal)], ["T(M)/T(1)", *(_fmt(t / cal[0]) for t in cal)],
-                ["end of run ms", *(_fmt(t, 1) for t in end)], ["T(M)/T(1)", *(_fmt(t / end[0]) for t in end)]]
+        out += [
+            "## Target cost T(M)",
+            "",
+            "A cached target forward over M new tokens: calibrated at load (`metasd calibrate`), and as refined "
+            "online from the run's rounds (these include the acceptance rule); the linear kernel calibration chose "
+            "for each M (`linear_kernels.py`: `linear` is torch's own).",
+            "",
+        ]
+        rows = [
+            ["calibrated ms", *(_fmt(t, 1) for t in cal)],
+            ["T(M)/T(1)", *(_fmt(t / cal[0]) for t in cal)],
+            ["end of run ms", *(_fmt(t, 1) for t in end)],
+            ["T(M)/T(1)", *(_fmt(t / end[0]) for t in end)],
+        ]
         if cost.get("linear_kernels"):
             rows.append(["kernel", *cost["linear_kernels"][: len(cal)]])
         out += _table(["M", *map(str, range(1, len(cal) + 1))], rows)
@@ -205,13 +329,18 @@ def _costs_and_lengths(summary: dict) -> list[str]:
             total = sum(hist.values())
             mean = sum(k * n for k, n in hist.items()) / total if total else 0.0
             name = drafter.removesuffix(CONTINUED)
-            shown = "plain step" if drafter == "-" else f"`{label(name)}`" + drafter[len(name):]
-            rows.append([f"`{label(method)}`", shown, str(total),
-                         _fmt(mean), ", ".join(f"{k}: {n}" for k, n in hist.items())])
+            shown = "plain step" if drafter == "-" else f"`{label(name)}`" + drafter[len(name) :]
+            rows.append(
+                [f"`{label(method)}`", shown, str(total), _fmt(mean), ", ".join(f"{k}: {n}" for k, n in hist.items())]
+            )
     if rows:
-        out += ["## Draft lengths chosen", "",
-                "Rounds per policy and drafter, the mean number of tokens sent for verification, and the "
-                "distribution (k: rounds). A model drafter's rounds whose draft a free drafter continued "
-                "(`+ continuation`) count apart, with the continuation in k.", ""]
+        out += [
+            "## Draft lengths chosen",
+            "",
+            "Rounds per policy and drafter, the mean number of tokens sent for verification, and the "
+            "distribution (k: rounds). A model drafter's rounds whose draft a free drafter continued "
+            "(`+ continuation`) count apart, with the continuation in k.",
+            "",
+        ]
         out += _table(["policy", "drafter", "rounds", "mean k", "k: rounds"], rows)
     return out

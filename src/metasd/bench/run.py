@@ -97,8 +97,17 @@ def run_bench(cfg: BenchConfig) -> dict:
     transformers.utils.logging.set_verbosity_error()
     loadavg_start = _loadavg()
     started = time.perf_counter()
-    decoder = Decoder(target=cfg.target, drafters=specs, policy="none", draft_len=cfg.draft_len, dtype=cfg.dtype,
-                      device=cfg.device, seed=cfg.seed, policy_scope=cfg.policy_scope, kernels=cfg.kernels)
+    decoder = Decoder(
+        target=cfg.target,
+        drafters=specs,
+        policy="none",
+        draft_len=cfg.draft_len,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        seed=cfg.seed,
+        policy_scope=cfg.policy_scope,
+        kernels=cfg.kernels,
+    )
     names = decoder.drafter_names
     methods = resolve_methods(cfg.methods, names, aliases=dict(zip(specs, names, strict=True)))
     pool = [decoder.drafters[n] for n in names]
@@ -128,8 +137,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     timed = [m for m in methods if m not in DERIVED]
     warm = [m for m in timed if m != "oracle-round"] if cfg.warmup else []
     loaded = time.perf_counter()
-    bar = tqdm(total=len(warm) + len(questions) * len(timed) * cfg.repeat, desc="bench", unit="run",
-               disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(warm) + len(questions) * len(timed) * cfg.repeat,
+        desc="bench",
+        unit="run",
+        disable=not cfg.progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     for method in warm:  # first calls pay one-off costs (allocations, lazy inits): keep them out of the timings
         bar.set_postfix_str(f"warm-up {method}")
         history.restore()
@@ -151,16 +166,24 @@ def run_bench(cfg: BenchConfig) -> dict:
                 bar.set_postfix_str(f"q{q.question_id} {q.category} oracle table")
                 history.restore()
                 tables[q.question_id], paths[q.question_id], choices[q.question_id] = question_oracle(
-                    pool, reference, oracle_k, max_new, decoder.cost_model(oracle_k + 1))
+                    pool, reference, oracle_k, max_new, decoder.cost_model(oracle_k + 1)
+                )
 
             def next_run(method: str, q: Question = q) -> None:
                 bar.update()
                 bar.set_postfix_str(f"q{q.question_id} {q.category} {method}")
 
             shift = i % len(others) if others else 0
-            records = measure_question(decoder, q, ["ar", *others[shift:], *others[:shift]],
-                                       lambda method, q=q: runner(method, q.question_id), cfg.repeat,
-                                       history.restore, oracle_tables if need_tables else None, next_run)
+            records = measure_question(
+                decoder,
+                q,
+                ["ar", *others[shift:], *others[:shift]],
+                lambda method, q=q: runner(method, q.question_id),
+                cfg.repeat,
+                history.restore,
+                oracle_tables if need_tables else None,
+                next_run,
+            )
             for method, record in records.items():
                 results[method][q.question_id] = record
             history.advance([(t.prompt_ids, t.token_ids) for t in records["ar"].turns])
@@ -198,23 +221,40 @@ def run_bench(cfg: BenchConfig) -> dict:
         "measure_s": round(measured - warmed, 1),
         "loadavg_start": loadavg_start,
         "hf_pld": {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3},
-        "hf_assisted": ({"assistant": lm_drafters(names)[0], "assistant_weights": "as loaded",
-                         "num_assistant_tokens": k,
-                         "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
-                        if assistant is not None else None),
+        "hf_assisted": (
+            {
+                "assistant": lm_drafters(names)[0],
+                "assistant_weights": "as loaded",
+                "num_assistant_tokens": k,
+                "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.0,
+            }
+            if assistant is not None
+            else None
+        ),
         **cfg.extra,
     }
     if decoder._costs is not None:  # the T(M) the adaptive policy decided with: calibrated, and after the run
         target_cost = decoder._costs.target
-        config["target_cost_ms"] = {"calibrated": [round(t * 1e3, 3) for t in target_cost.calibrated],
-                                    "end_of_run": [round(t * 1e3, 3) for t in target_cost.table()],
-                                    "linear_kernels": installed(decoder.target.model)}
+        config["target_cost_ms"] = {
+            "calibrated": [round(t * 1e3, 3) for t in target_cost.calibrated],
+            "end_of_run": [round(t * 1e3, 3) for t in target_cost.table()],
+            "linear_kernels": installed(decoder.target.model),
+        }
     summary = summarize(results, questions, methods, names, tables, paths, config)
     return write_outputs(cfg, summary, results, questions, timed, names, tables, started)
 
 
-def write_outputs(cfg: BenchConfig, summary: dict, results: dict, questions: list[Question], timed: list[str],
-                  names: list[str], tables: dict, started: float) -> dict:
+def write_outputs(
+    cfg: BenchConfig,
+    summary: dict,
+    results: dict,
+    questions: list[Question],
+    timed: list[str],
+    names: list[str],
+    tables: dict,
+    started: float,
+) -> dict:
     """answers/, plots, summary.json and report.md into cfg.out (also the merge step of `bench --ray`)."""
     out = Path(cfg.out).expanduser()
     answers = out / "answers"

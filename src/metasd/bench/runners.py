@@ -67,10 +67,16 @@ def run_question(decoder, question: Question, run_turn: TurnRunner) -> QuestionR
     return record
 
 
-def measure_question(decoder, question: Question, methods: Sequence[str], runner: Callable[[str], TurnRunner],
-                     repeat: int, restore: Callable[[], None],
-                     after_reference: Callable[[QuestionRecord], None] | None = None,
-                     on_run: Callable[[str], None] | None = None) -> dict[str, QuestionRecord]:
+def measure_question(
+    decoder,
+    question: Question,
+    methods: Sequence[str],
+    runner: Callable[[str], TurnRunner],
+    repeat: int,
+    restore: Callable[[], None],
+    after_reference: Callable[[QuestionRecord], None] | None = None,
+    on_run: Callable[[str], None] | None = None,
+) -> dict[str, QuestionRecord]:
     """Every method on one question, in `repeat` passes; the fastest run of each method is its record.
 
     methods[0] is the reference (`ar`): after its first run, `after_reference` gets it (the oracle tables). Before
@@ -96,8 +102,9 @@ def measure_question(decoder, question: Question, methods: Sequence[str], runner
     return best
 
 
-def engine_turn(decoder, policy: str, max_new_tokens: int, seed: int | None,
-                bind: Callable[[object], None] | None = None) -> TurnRunner:
+def engine_turn(
+    decoder, policy: str, max_new_tokens: int, seed: int | None, bind: Callable[[object], None] | None = None
+) -> TurnRunner:
     """A turn through metasd's Decoder with one policy (`none` for `ar`, `fixed:<d>`, a bandit).
 
     `bind` receives the Generation before its first round; the oracle replay uses it to swap in its scripted policy.
@@ -113,8 +120,15 @@ def engine_turn(decoder, policy: str, max_new_tokens: int, seed: int | None,
         wall = time.perf_counter() - start
         result = generation.result()
         rounds = list(result.stats.rounds)
-        return TurnRecord(list(ids), list(result.token_ids), result.text, wall,
-                          [r.emitted for r in rounds], rounds, result.finish_reason)
+        return TurnRecord(
+            list(ids),
+            list(result.token_ids),
+            result.text,
+            wall,
+            [r.emitted for r in rounds],
+            rounds,
+            result.finish_reason,
+        )
 
     return run
 
@@ -136,8 +150,14 @@ class _RoundCounter:
         pass
 
 
-def hf_turn(decoder, mode: str, max_new_tokens: int, draft_len: int, assistant: torch.nn.Module | None = None,
-            max_ngram: int = 3) -> TurnRunner:
+def hf_turn(
+    decoder,
+    mode: str,
+    max_new_tokens: int,
+    draft_len: int,
+    assistant: torch.nn.Module | None = None,
+    max_ngram: int = 3,
+) -> TurnRunner:
     """A turn through transformers' own `generate` on the same target weights, greedy.
 
     mode `ar`: plain greedy; `pld`: prompt lookup (`prompt_lookup_num_tokens=draft_len`, n-grams up to `max_ngram`);
@@ -154,19 +174,29 @@ def hf_turn(decoder, mode: str, max_new_tokens: int, draft_len: int, assistant: 
 
     def run(ids: list[int], turn: int) -> TurnRecord:
         if len(ids) + max_new_tokens > decoder.target.max_length:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"model's context of {decoder.target.max_length} tokens")
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {decoder.target.max_length} tokens"
+            )
         input_ids = torch.tensor([ids], device=decoder.target.device)
         counter = _RoundCounter()
-        kwargs: dict = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                            do_sample=False, pad_token_id=pad, streamer=counter)
+        kwargs: dict = dict(
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            streamer=counter,
+        )
         restore: dict = {}
         if mode == "pld":
             kwargs.update(prompt_lookup_num_tokens=draft_len, max_matching_ngram_size=max_ngram)
         elif mode == "assisted":
             config = assistant.generation_config
-            wanted = {"num_assistant_tokens": draft_len, "num_assistant_tokens_schedule": "constant",
-                      "assistant_confidence_threshold": 0.0}
+            wanted = {
+                "num_assistant_tokens": draft_len,
+                "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.0,
+            }
             restore = {key: getattr(config, key, None) for key in wanted}
             for key, value in wanted.items():
                 setattr(config, key, value)
@@ -179,12 +209,13 @@ def hf_turn(decoder, mode: str, max_new_tokens: int, draft_len: int, assistant: 
         finally:
             for key, value in restore.items():
                 setattr(assistant.generation_config, key, value)
-        tokens = out[0, len(ids):].tolist()
+        tokens = out[0, len(ids) :].tolist()
         stop = next((i for i, t in enumerate(tokens) if t in decoder.target.eos_token_ids), None)
         finish = "stop" if stop is not None else "length"
         if sum(counter.sizes) != len(tokens):  # the streamer is how rounds are counted: never guess them
-            raise RuntimeError(f"transformers streamed {sum(counter.sizes)} tokens but returned {len(tokens)}; "
-                               "cannot count its rounds")
+            raise RuntimeError(
+                f"transformers streamed {sum(counter.sizes)} tokens but returned {len(tokens)}; cannot count its rounds"
+            )
         return TurnRecord(list(ids), tokens, decoder.decode(tokens), wall, counter.sizes, None, finish)
 
     return run
@@ -206,8 +237,9 @@ class ScriptedPolicy(ArmStats):
 
     def bind(self, generation) -> None:
         if not all(hasattr(generation, a) for a in ("policy", "token_ids", "max_draft")):
-            raise RuntimeError("the engine's Generation no longer exposes policy/token_ids/max_draft: "
-                               "update ScriptedPolicy")
+            raise RuntimeError(
+                "the engine's Generation no longer exposes policy/token_ids/max_draft: update ScriptedPolicy"
+            )
         generation.policy = self
         generation.max_draft = self.max_draft  # the plan drafts up to the oracle's longest draft, not --draft-len
         self.generation = generation
@@ -217,8 +249,9 @@ class ScriptedPolicy(ArmStats):
         return (arm, min(planned, k)) if arm is not None and planned > 0 else (None, 0)
 
 
-def oracle_turn(decoder, plans: Sequence[Sequence[tuple[int | None, int]]], max_draft: int, max_new_tokens: int,
-                seed: int | None) -> TurnRunner:
+def oracle_turn(
+    decoder, plans: Sequence[Sequence[tuple[int | None, int]]], max_draft: int, max_new_tokens: int, seed: int | None
+) -> TurnRunner:
     """Replay `plans[turn][position]` (the hindsight plan's (drafter, k) at each position) through the engine."""
     names = decoder.drafter_names
 

@@ -32,15 +32,24 @@ def mismatches(results: Results, reference: str = "ar") -> list[dict]:
             for t, (turn, ref_turn) in enumerate(zip(record.turns, ref[qid].turns, strict=True)):
                 at = first_difference(turn.token_ids, ref_turn.token_ids)
                 if at is not None:
-                    out.append({"method": method, "question_id": qid, "turn": t + 1, "first_difference": at,
-                                "tokens": turn.new_tokens, "reference_tokens": ref_turn.new_tokens})
+                    out.append(
+                        {
+                            "method": method,
+                            "question_id": qid,
+                            "turn": t + 1,
+                            "first_difference": at,
+                            "tokens": turn.new_tokens,
+                            "reference_tokens": ref_turn.new_tokens,
+                        }
+                    )
     return out
 
 
 def _group_metrics(records: list[QuestionRecord], base: list[QuestionRecord], mismatched: int, engine: bool) -> dict:
     speeds = [metrics.question_speed([t.new_tokens for t in r.turns], [t.wall_time for t in r.turns]) for r in records]
-    base_speeds = [metrics.question_speed([t.new_tokens for t in r.turns], [t.wall_time for t in r.turns])
-                   for r in base]
+    base_speeds = [
+        metrics.question_speed([t.new_tokens for t in r.turns], [t.wall_time for t in r.turns]) for r in base
+    ]
     turns = [t for r in records for t in r.turns]
     wall = sum(t.wall_time for t in turns)
     out = {
@@ -96,8 +105,15 @@ def _reward_stats(results: Results, drafters: Sequence[str], draft_len: int, max
     return out
 
 
-def summarize(results: Results, questions: list[Question], methods: list[str], drafters: list[str],
-              tables: dict[int, list[AcceptanceTable]], paths: dict[int, list[OraclePath]], config: dict) -> dict:
+def summarize(
+    results: Results,
+    questions: list[Question],
+    methods: list[str],
+    drafters: list[str],
+    tables: dict[int, list[AcceptanceTable]],
+    paths: dict[int, list[OraclePath]],
+    config: dict,
+) -> dict:
     groups = [g for g in GROUPS if any(q.group == g for q in questions)]
     groups += [g for g in dict.fromkeys(q.group for q in questions) if g not in GROUPS]  # e.g. the drift kinds
     by_group = {g: [q for q in questions if q.group == g] for g in groups}
@@ -113,14 +129,24 @@ def summarize(results: Results, questions: list[Question], methods: list[str], d
         if method in DERIVED:
             continue
         records = results[method]
-        entry = {"label": label(method),
-                 "overall": _group_metrics([records[q.question_id] for q in questions],
-                                           [results["ar"][q.question_id] for q in questions],
-                                           count(method, questions), is_engine_method(method)),
-                 "groups": {g: _group_metrics([records[q.question_id] for q in qs],
-                                              [results["ar"][q.question_id] for q in qs],
-                                              count(method, qs), is_engine_method(method))
-                            for g, qs in by_group.items()}}
+        entry = {
+            "label": label(method),
+            "overall": _group_metrics(
+                [records[q.question_id] for q in questions],
+                [results["ar"][q.question_id] for q in questions],
+                count(method, questions),
+                is_engine_method(method),
+            ),
+            "groups": {
+                g: _group_metrics(
+                    [records[q.question_id] for q in qs],
+                    [results["ar"][q.question_id] for q in qs],
+                    count(method, qs),
+                    is_engine_method(method),
+                )
+                for g, qs in by_group.items()
+            },
+        }
         summary_methods[method] = entry
 
     regrets = _regrets(results, methods, drafters, tables, paths, by_group, questions, bad_turns)
@@ -136,16 +162,19 @@ def summarize(results: Results, questions: list[Question], methods: list[str], d
     summary = {
         "config": config,
         "groups": groups,
-        "questions": [{"question_id": q.question_id, "category": q.category, "group": q.group,
-                       "turns": len(q.turns)} for q in questions],
+        "questions": [
+            {"question_id": q.question_id, "category": q.category, "group": q.group, "turns": len(q.turns)}
+            for q in questions
+        ],
         "methods": summary_methods,
         "oracle_category": {"choice": oracle_choice},
         "oracle_round": _hindsight(paths, by_group, questions),
         "reward_stats": _reward_stats(results, drafters, config["draft_len"], config["max_new_tokens"]),
-        "correctness": {"mismatches": len(diffs),
-                        "compared_turns": sum(len(r.turns) for m, rs in results.items() if m != "ar"
-                                              for r in rs.values()),
-                        "details": diffs},
+        "correctness": {
+            "mismatches": len(diffs),
+            "compared_turns": sum(len(r.turns) for m, rs in results.items() if m != "ar" for r in rs.values()),
+            "details": diffs,
+        },
     }
     summary["shares"] = _shares(summary_methods, methods)
     summary["draft_lengths"] = _draft_lengths(results, methods)
@@ -190,10 +219,12 @@ def _regrets(results, methods, drafters, tables, paths, by_group, questions, bad
                     disagree += reg.disagreements
                     extra += len(turn.rounds or []) - paths[q.question_id][t].rounds
                     turns += 1
-            per_scope[scope] = {"regret_tokens": total,
-                                "regret_per_round": round(total / rounds, 4) if rounds else None,
-                                "extra_rounds_vs_oracle": extra if turns else None,
-                                "oracle_table_disagreements": disagree}
+            per_scope[scope] = {
+                "regret_tokens": total,
+                "regret_per_round": round(total / rounds, 4) if rounds else None,
+                "extra_rounds_vs_oracle": extra if turns else None,
+                "oracle_table_disagreements": disagree,
+            }
         out[method] = per_scope
     return out
 
@@ -203,8 +234,7 @@ def _oracle_category(results, summary_methods, drafters, questions, by_group, co
     choice: dict[str, str] = {}
     chosen: dict[int, QuestionRecord] = {}
     for g, qs in by_group.items():
-        best = max((f"fixed:{d}" for d in drafters),
-                   key=lambda m: summary_methods[m]["groups"][g]["tokens_per_second"])
+        best = max((f"fixed:{d}" for d in drafters), key=lambda m: summary_methods[m]["groups"][g]["tokens_per_second"])
         choice[g] = best
         for q in qs:
             chosen[q.question_id] = results[best][q.question_id]
@@ -212,12 +242,21 @@ def _oracle_category(results, summary_methods, drafters, questions, by_group, co
     def bad(qs: list[Question]) -> int:
         return sum(count(choice[q.group], [q]) for q in qs)
 
-    entry = {"label": "oracle-category",
-             "overall": _group_metrics([chosen[q.question_id] for q in questions],
-                                       [results["ar"][q.question_id] for q in questions], bad(questions), True),
-             "groups": {g: _group_metrics([chosen[q.question_id] for q in qs],
-                                          [results["ar"][q.question_id] for q in qs], bad(qs), True)
-                        for g, qs in by_group.items()}}
+    entry = {
+        "label": "oracle-category",
+        "overall": _group_metrics(
+            [chosen[q.question_id] for q in questions],
+            [results["ar"][q.question_id] for q in questions],
+            bad(questions),
+            True,
+        ),
+        "groups": {
+            g: _group_metrics(
+                [chosen[q.question_id] for q in qs], [results["ar"][q.question_id] for q in qs], bad(qs), True
+            )
+            for g, qs in by_group.items()
+        },
+    }
     entry["overall"]["choice"] = choice
     for g in by_group:
         entry["groups"][g]["choice"] = choice[g]
@@ -227,6 +266,7 @@ def _oracle_category(results, summary_methods, drafters, questions, by_group, co
 
 def _hindsight(paths: dict[int, list[OraclePath]], by_group, questions) -> dict:
     """The oracle's own walk: rounds and mean accepted tokens in hindsight (the replay measures its time)."""
+
     def scope(qs):
         walks = [p for q in qs for p in paths.get(q.question_id, [])]
         if not walks:
@@ -248,10 +288,13 @@ def _shares(summary_methods: dict, methods: list[str]) -> dict:
         for oracle, entry in oracles.items():
             scopes = {"overall": (summary_methods[method]["overall"], entry["overall"])}
             scopes.update({g: (summary_methods[method]["groups"][g], entry["groups"][g]) for g in entry["groups"]})
-            row[oracle] = {s: {"speedup": _r(metrics.share(m["speedup"], o["speedup"])),
-                               "mean_accepted_tokens": _r(metrics.share(m["mean_accepted_tokens"],
-                                                                        o["mean_accepted_tokens"]))}
-                           for s, (m, o) in scopes.items()}
+            row[oracle] = {
+                s: {
+                    "speedup": _r(metrics.share(m["speedup"], o["speedup"])),
+                    "mean_accepted_tokens": _r(metrics.share(m["mean_accepted_tokens"], o["mean_accepted_tokens"])),
+                }
+                for s, (m, o) in scopes.items()
+            }
         out[method] = row
     return out
 

@@ -15,46 +15,82 @@ DEFAULT_DRAFTERS = ",".join(DEFAULT_POOL)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, target_default: str | None = None,
-                   dtype_default: str | None = "float32", preset_note: str = "") -> None:
+def add_model_args(
+    parser: argparse.ArgumentParser,
+    *,
+    target_default: str | None = None,
+    dtype_default: str | None = "float32",
+    preset_note: str = "",
+) -> None:
     """`--target`, `--dtype`, `--kernels`: the target model as loaded, for every command that loads one."""
-    parser.add_argument("--target", default=target_default,
-                        help=f"hub id, directory or .gguf file (default: the embedded SmolLM2-135M{preset_note})")
-    parser.add_argument("--dtype", default=dtype_default, choices=DTYPES,
-                        help=f"model dtype; compare methods only at the same dtype (default: float32{preset_note})")
-    parser.add_argument("--kernels", default="auto", choices=["auto", "torch"],
-                        help="the target's linear layers: auto routes each draft length to the faster of two matmul "
-                             "layouts, as calibrated on this machine; torch keeps F.linear (default: %(default)s)")
+    parser.add_argument(
+        "--target",
+        default=target_default,
+        help=f"hub id, directory or .gguf file (default: the embedded SmolLM2-135M{preset_note})",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=dtype_default,
+        choices=DTYPES,
+        help=f"model dtype; compare methods only at the same dtype (default: float32{preset_note})",
+    )
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "torch"],
+        help="the target's linear layers: auto routes each draft length to the faster of two matmul "
+        "layouts, as calibrated on this machine; torch keeps F.linear (default: %(default)s)",
+    )
 
 
 def add_pool_args(parser: argparse.ArgumentParser, *, drafters_default: str | None = DEFAULT_DRAFTERS) -> None:
     """`--drafters`, `--draft-len`: the drafter pool and the classic policies' draft length."""
-    parser.add_argument("--drafters", default=drafters_default,
-                        help=f"comma-separated pool; kinds: {', '.join(DRAFTER_KINDS)} (default: {DEFAULT_DRAFTERS})")
-    parser.add_argument("--draft-len", type=int, default=5,
-                        help="k, tokens drafted per round by the classic policies; metasd-adaptive chooses k itself, "
-                             "up to its max parameter (default: %(default)s)")
+    parser.add_argument(
+        "--drafters",
+        default=drafters_default,
+        help=f"comma-separated pool; kinds: {', '.join(DRAFTER_KINDS)} (default: {DEFAULT_DRAFTERS})",
+    )
+    parser.add_argument(
+        "--draft-len",
+        type=int,
+        default=5,
+        help="k, tokens drafted per round by the classic policies; metasd-adaptive chooses k itself, "
+        "up to its max parameter (default: %(default)s)",
+    )
 
 
 def add_policy_scope_arg(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--policy-scope", choices=["request", "server"], default="request",
-                        help=f"request: every policy starts afresh each request; server: {what} (default: %(default)s)")
+    parser.add_argument(
+        "--policy-scope",
+        choices=["request", "server"],
+        default="request",
+        help=f"request: every policy starts afresh each request; server: {what} (default: %(default)s)",
+    )
 
 
 def add_decoder_args(parser: argparse.ArgumentParser) -> None:
     """Everything that builds a Decoder: model, pool, policy, device."""
     add_model_args(parser, dtype_default="float32")
     add_pool_args(parser)
-    parser.add_argument("--policy", default=DEFAULT_POLICY,
-                        help=f"drafter selection: {', '.join(POLICY_NAMES)} (default: %(default)s)")
+    parser.add_argument(
+        "--policy", default=DEFAULT_POLICY, help=f"drafter selection: {', '.join(POLICY_NAMES)} (default: %(default)s)"
+    )
     add_device_args(parser)
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
-                        help="where the models run; auto: CUDA when available, else the CPU (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's choice); 1 is far faster on a busy machine")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda", "mps"],
+        help="where the models run; auto: CUDA when available, else the CPU (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice); 1 is far faster on a busy machine",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +117,14 @@ def build_decoder(args: argparse.Namespace, **extra):
     set_threads(args.threads)
     from ..engine import Decoder
 
-    return Decoder(target=args.target, drafters=args.drafters, policy=args.policy, draft_len=args.draft_len,
-                   dtype=args.dtype, device=args.device, seed=getattr(args, "seed", None), kernels=args.kernels,
-                   **extra)
+    return Decoder(
+        target=args.target,
+        drafters=args.drafters,
+        policy=args.policy,
+        draft_len=args.draft_len,
+        dtype=args.dtype,
+        device=args.device,
+        seed=getattr(args, "seed", None),
+        kernels=args.kernels,
+        **extra,
+    )

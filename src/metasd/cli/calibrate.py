@@ -29,8 +29,9 @@ def run(args: argparse.Namespace) -> None:
     found = load_or_calibrate(target.spec, target.model, args.max_tokens, refresh=args.refresh, candidates=candidates)
     table = found.table
     key = calibration_key(target.spec, target.model, args.max_tokens, candidates)
-    print(f"T(M) for {key['model']} ({key['dtype']}, {key['threads']} threads, {key['device']}); "
-          f"cache: {cache_file(key)}")
+    print(
+        f"T(M) for {key['model']} ({key['dtype']}, {key['threads']} threads, {key['device']}); cache: {cache_file(key)}"
+    )
     print(f"{'M':>4} {'ms':>9} {'T(M)/T(1)':>10}  linear kernel")
     for m, (t, kernel) in enumerate(zip(table, found.kernels, strict=True), 1):
         print(f"{m:>4} {t * 1000:>9.2f} {t / table[0]:>10.2f}  {kernel}")

@@ -24,9 +24,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--holdout", type=float, default=0.1, help="share of prompts held out for the acceptance check")
     p.add_argument("--draft-len", type=int, default=5, help="k for the held-out acceptance (default: 5)")
     p.add_argument("--save-every", type=int, default=25, help="checkpoint period in steps (default: 25)")
-    p.add_argument("--eval-on", action="append", default=[], metavar="DIR",
-                   help="another distill --out DIR: also measure acceptance on (up to 100 of) its cached target "
-                        "answers, i.e. off this drafter's domain; repeatable")
+    p.add_argument(
+        "--eval-on",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another distill --out DIR: also measure acceptance on (up to 100 of) its cached target "
+        "answers, i.e. off this drafter's domain; repeatable",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint (cached answers are kept)")
@@ -36,9 +41,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     set_threads(args.threads)
-    report = distill(args.target, args.prompts, args.out, layers=args.layers, steps=args.steps,
-                     batch_tokens=args.batch_tokens, lr=args.lr, max_new_tokens=args.max_new_tokens,
-                     max_prompt_tokens=args.max_prompt_tokens, gen_batch=args.gen_batch, holdout=args.holdout,
-                     draft_len=args.draft_len, save_every=args.save_every, seed=args.seed, restart=args.restart,
-                     progress=not args.quiet, eval_on=tuple(args.eval_on))
+    report = distill(
+        args.target,
+        args.prompts,
+        args.out,
+        layers=args.layers,
+        steps=args.steps,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        gen_batch=args.gen_batch,
+        holdout=args.holdout,
+        draft_len=args.draft_len,
+        save_every=args.save_every,
+        seed=args.seed,
+        restart=args.restart,
+        progress=not args.quiet,
+        eval_on=tuple(args.eval_on),
+    )
     print(json.dumps(report, indent=1))

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from .args import add_decoder_args, add_policy_scope_arg, add_sampling_args, build_decoder
 
@@ -28,7 +29,7 @@ def _prompts(args: argparse.Namespace) -> Iterator[str]:
         yield args.prompt
         return
     try:
-        lines = open(args.prompt_file, encoding="utf-8").read().splitlines()
+        lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
     except OSError as err:
         raise ValueError(f"cannot read --prompt-file: {err}") from err
     for number, line in enumerate(lines, 1):
@@ -54,11 +55,27 @@ def run(args: argparse.Namespace) -> None:
     prompts = list(_prompts(args))  # a malformed file fails before the models load
     decoder = build_decoder(args, policy_scope=args.policy_scope)
     for prompt in prompts:
-        result = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, raw=args.raw)
+        result = decoder.generate(
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            raw=args.raw,
+        )
         if args.json:
-            print(json.dumps({"text": result.text, "token_ids": result.token_ids,
-                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "text": result.text,
+                        "token_ids": result.token_ids,
+                        "finish_reason": result.finish_reason,
+                        "stats": result.stats.to_dict(),
+                    }
+                ),
+                flush=True,
+            )
         else:
             print(result.text)
             print(_summary(result.stats), file=sys.stderr, flush=True)
@@ -66,10 +83,14 @@ def run(args: argparse.Namespace) -> None:
 
 def _summary(stats) -> str:
     s = stats.to_dict()
-    lines = [f"--- {s['new_tokens']} tokens in {s['wall_time']:.2f}s ({s['tokens_per_second']:.1f} tok/s), "
-             f"{s['rounds']} rounds, mean accepted tokens {s['mean_accepted_tokens']:.2f}, "
-             f"switches {s['switches']}, catch-up tokens {s['catch_up_tokens']}"]
+    lines = [
+        f"--- {s['new_tokens']} tokens in {s['wall_time']:.2f}s ({s['tokens_per_second']:.1f} tok/s), "
+        f"{s['rounds']} rounds, mean accepted tokens {s['mean_accepted_tokens']:.2f}, "
+        f"switches {s['switches']}, catch-up tokens {s['catch_up_tokens']}"
+    ]
     for name, d in s["drafters"].items():
-        lines.append(f"    {name:<20} pulls {d['pulls']:>4}  drafted {d['drafted']:>5}  accepted {d['accepted']:>5}  "
-                     f"mean reward {d['mean_reward']:.3f}")
+        lines.append(
+            f"    {name:<20} pulls {d['pulls']:>4}  drafted {d['drafted']:>5}  accepted {d['accepted']:>5}  "
+            f"mean reward {d['mean_reward']:.3f}"
+        )
     return "\n".join(lines)

@@ -14,13 +14,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("corpora", nargs="+", metavar="CORPUS", help="text / JSONL / JSON files or source directories")
     p.add_argument("--out", required=True, help="index directory to write (tokens.npy, sa.npy, header.json)")
     p.add_argument("--target", default=None, help="model whose tokenizer to use (default: the embedded model)")
-    p.add_argument("--depth", type=int, default=16,
-                   help="suffixes are sorted on this many tokens: the longest context match looked up "
-                        "(default: %(default)s)")
-    p.add_argument("--include", action="append", default=None, metavar="GLOB",
-                   help=f"file names to take from directories, repeatable (default: {' '.join(DEFAULT_INCLUDE)})")
-    p.add_argument("--exclude", action="append", default=None, metavar="GLOB",
-                   help=f"file or directory names to skip, repeatable (default: {' '.join(DEFAULT_EXCLUDE)})")
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=16,
+        help="suffixes are sorted on this many tokens: the longest context match looked up (default: %(default)s)",
+    )
+    p.add_argument(
+        "--include",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help=f"file names to take from directories, repeatable (default: {' '.join(DEFAULT_INCLUDE)})",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help=f"file or directory names to skip, repeatable (default: {' '.join(DEFAULT_EXCLUDE)})",
+    )
     p.add_argument("--max-tokens", type=int, default=None, help="stop reading the corpora after about this many")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=run)
@@ -33,8 +46,19 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--depth must be >= 1, got {args.depth}")
     corpus_files(args.corpora, include, exclude)  # a missing corpus fails before the tokenizer loads
     tokenizer = load_tokenizer(args.target)
-    header = build_index(args.corpora, args.out, tokenizer, target=args.target or "embedded", depth=args.depth,
-                         include=include, exclude=exclude, max_tokens=args.max_tokens, progress=not args.quiet)
+    header = build_index(
+        args.corpora,
+        args.out,
+        tokenizer,
+        target=args.target or "embedded",
+        depth=args.depth,
+        include=include,
+        exclude=exclude,
+        max_tokens=args.max_tokens,
+        progress=not args.quiet,
+    )
     size = sum(f.stat().st_size for f in Path(args.out).iterdir())
-    print(f"{args.out}: {header['n_tokens']:,} tokens from {header['n_documents']:,} documents, "
-          f"{size / 2**20:.1f} MiB, built in {header['build_seconds']['total']:.1f}s")
+    print(
+        f"{args.out}: {header['n_tokens']:,} tokens from {header['n_documents']:,} documents, "
+        f"{size / 2**20:.1f} MiB, built in {header['build_seconds']['total']:.1f}s"
+    )

@@ -13,24 +13,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: completions, chat, SSE streaming, /metrics")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    srv.add_argument("--api-key", default=os.environ.get("METASD_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on /v1/*; several keys: KEY1,KEY2 "
-                          "(default: $METASD_API_KEY, else none)")
-    srv.add_argument("--max-body-bytes", type=int, default=2 << 20,
-                     help="larger request bodies get 413 (default: %(default)s, 2 MiB)")
-    srv.add_argument("--history-scope", choices=["shared", "per-key", "off"], default="shared",
-                     help="what the suffix drafter learns across requests from: every client's outputs (shared), "
-                          "the same API key's only (per-key), or nothing (off) (default: %(default)s)")
-    srv.add_argument("--max-queue", type=int, default=64,
-                     help="requests that may wait behind the one decoding; more get 429 (default: %(default)s)")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("METASD_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/*; several keys: KEY1,KEY2 "
+        "(default: $METASD_API_KEY, else none)",
+    )
+    srv.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=2 << 20,
+        help="larger request bodies get 413 (default: %(default)s, 2 MiB)",
+    )
+    srv.add_argument(
+        "--history-scope",
+        choices=["shared", "per-key", "off"],
+        default="shared",
+        help="what the suffix drafter learns across requests from: every client's outputs (shared), "
+        "the same API key's only (per-key), or nothing (off) (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait behind the one decoding; more get 429 (default: %(default)s)",
+    )
     add_policy_scope_arg(srv, "it keeps learning across requests")
-    srv.add_argument("--replicas", type=int, default=None,
-                     help="serve N replicas behind one endpoint on Ray Serve (pip install 'metasd[ray]'); with "
-                          "--policy-scope server they pool their bandit statistics (default: one process, no Ray)")
-    srv.add_argument("--ray", default=None, metavar="ADDRESS",
-                     help="with --replicas: a running Ray cluster (auto, HOST:PORT); default: a local instance")
-    srv.add_argument("--replica-cpus", type=float, default=None,
-                     help="with --replicas: CPUs reserved per replica, also its torch threads (default: 1)")
+    srv.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N replicas behind one endpoint on Ray Serve (pip install 'metasd[ray]'); with "
+        "--policy-scope server they pool their bandit statistics (default: one process, no Ray)",
+    )
+    srv.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="with --replicas: a running Ray cluster (auto, HOST:PORT); default: a local instance",
+    )
+    srv.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="with --replicas: CPUs reserved per replica, also its torch threads (default: 1)",
+    )
     add_decoder_args(srv)
     srv.set_defaults(handler=run)
 
@@ -47,8 +74,10 @@ def run(args: argparse.Namespace) -> None:
     if args.history_scope == "per-key" and args.api_key is None:
         raise ValueError("--history-scope per-key needs --api-key KEY[,KEY...]")
     if args.history_scope != "shared" and args.policy_scope == "server":
-        raise ValueError(f"--history-scope {args.history_scope} isolates clients, but --policy-scope server shares "
-                         "one policy across them; use --policy-scope request")
+        raise ValueError(
+            f"--history-scope {args.history_scope} isolates clients, but --policy-scope server shares "
+            "one policy across them; use --policy-scope request"
+        )
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"metasd: warning: serving on {args.host} without --api-key", file=sys.stderr)
     if args.replicas is not None:
@@ -56,8 +85,15 @@ def run(args: argparse.Namespace) -> None:
         return
     from ..serving.server import serve
 
-    serve(build_decoder(args, policy_scope=args.policy_scope), host=args.host, port=args.port, api_key=args.api_key,
-          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, history_scope=args.history_scope)
+    serve(
+        build_decoder(args, policy_scope=args.policy_scope),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        history_scope=args.history_scope,
+    )
 
 
 def _serve_replicas(args: argparse.Namespace) -> None:
@@ -69,9 +105,29 @@ def _serve_replicas(args: argparse.Namespace) -> None:
         from ..serving.ray_replicas import serve_replicas
     except ImportError as err:
         raise ValueError(f"--replicas needs Ray Serve: pip install 'metasd[ray]' ({err})") from None
-    decoder = {"target": args.target, "drafters": args.drafters, "policy": args.policy, "draft_len": args.draft_len,
-               "dtype": args.dtype, "device": args.device, "policy_scope": args.policy_scope, "kernels": args.kernels}
-    app = {"api_key": args.api_key, "max_queue": args.max_queue, "max_body_bytes": args.max_body_bytes,
-           "history_scope": args.history_scope}
-    serve_replicas(decoder, app, args.replicas, host=args.host, port=args.port, address=args.ray,
-                   replica_cpus=args.replica_cpus, threads=args.threads)
+    decoder = {
+        "target": args.target,
+        "drafters": args.drafters,
+        "policy": args.policy,
+        "draft_len": args.draft_len,
+        "dtype": args.dtype,
+        "device": args.device,
+        "policy_scope": args.policy_scope,
+        "kernels": args.kernels,
+    }
+    app = {
+        "api_key": args.api_key,
+        "max_queue": args.max_queue,
+        "max_body_bytes": args.max_body_bytes,
+        "history_scope": args.history_scope,
+    }
+    serve_replicas(
+        decoder,
+        app,
+        args.replicas,
+        host=args.host,
+        port=args.port,
+        address=args.ray,
+        replica_cpus=args.replica_cpus,
+        threads=args.threads,
+    )

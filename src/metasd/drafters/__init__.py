@@ -38,15 +38,15 @@ def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Dra
     if kind == "lm":
         model_spec, weights = split_weights(arg)
         if not model_spec:
-            raise ValueError("drafter 'lm:' needs a model: lm:<hub id | directory | file.gguf>[:"
-                             f"{'|'.join(WEIGHTS)}]")
+            raise ValueError(f"drafter 'lm:' needs a model: lm:<hub id | directory | file.gguf>[:{'|'.join(WEIGHTS)}]")
         try:
             drafter = load_model(model_spec, dtype, str(target.device))  # beside the target: drafts feed its forward
         except ValueError as err:
             tail = arg.rpartition(":")[2]
             if tail and tail != arg and "/" not in tail and "\\" not in tail:  # lm:MODEL:int4: a mistyped word?
-                raise ValueError(f"{err} (after lm:MODEL, a ':' suffix names the drafter's weights: "
-                                 f"{', '.join(WEIGHTS)})") from err
+                raise ValueError(
+                    f"{err} (after lm:MODEL, a ':' suffix names the drafter's weights: {', '.join(WEIGHTS)})"
+                ) from err
             raise
         if not same_tokenizer(drafter.tokenizer, target.tokenizer):
             raise ValueError(

@@ -26,8 +26,11 @@ class Draft:
         after looking at them biases nothing; a sampled draft may only be cut by a rule that sees earlier tokens."""
         if k >= len(self.tokens):
             return self
-        return Draft(self.tokens[:k], None if self.q is None else self.q[:k],
-                     None if self.confidence is None else self.confidence[:k])
+        return Draft(
+            self.tokens[:k],
+            None if self.q is None else self.q[:k],
+            None if self.confidence is None else self.confidence[:k],
+        )
 
     def followed_by(self, tail: Draft) -> Draft:
         """This draft, then `tail`: a one-hot draft proposed for the context extended by this one's tokens.
@@ -44,8 +47,10 @@ class Draft:
             q = torch.cat([q, one_hot])
         confidence = None
         if self.confidence is not None or tail.confidence is not None:
-            confidence = [*(self.confidence or [math.nan] * len(self.tokens)),
-                          *(tail.confidence or [math.nan] * len(tail.tokens))]
+            confidence = [
+                *(self.confidence or [math.nan] * len(self.tokens)),
+                *(tail.confidence or [math.nan] * len(tail.tokens)),
+            ]
         return Draft(self.tokens + tail.tokens, q, confidence)
 
 
@@ -69,8 +74,9 @@ class StopRule(Protocol):
 class StoppableDrafter(Protocol):
     """A drafter that lets a `StopRule` end its draft early."""
 
-    def propose_until(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
-                      stop: StopRule) -> Draft: ...
+    def propose_until(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None, stop: StopRule
+    ) -> Draft: ...
 
 
 @runtime_checkable
@@ -91,7 +97,5 @@ class Drafter(Protocol):
         Drafters that learn across requests index the output here, not only the part they happened to draft on.
         """
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         """Up to k tokens to follow context (fewer or none is allowed), drawn under params."""

@@ -22,6 +22,7 @@ entries of the suffix-array range; the range is sorted by the following tokens, 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import mmap
@@ -86,22 +87,30 @@ class Datastore:
         except (OSError, ValueError) as err:
             raise ValueError(f"datastore {self.path}: cannot read its arrays ({err}); rebuild it") from err
         if self.tokens.dtype != TOKENS_DTYPE or self.tokens.shape != (n_tokens,):
-            raise ValueError(f"datastore {self.path}: tokens.npy is {self.tokens.dtype}{self.tokens.shape}, "
-                             f"the header says >i4({n_tokens},); corrupt or from another version, rebuild it")
+            raise ValueError(
+                f"datastore {self.path}: tokens.npy is {self.tokens.dtype}{self.tokens.shape}, "
+                f"the header says >i4({n_tokens},); corrupt or from another version, rebuild it"
+            )
         if self.sa.dtype != SA_DTYPE or self.sa.shape != (n_suffixes,):
-            raise ValueError(f"datastore {self.path}: sa.npy is {self.sa.dtype}{self.sa.shape}, the header says "
-                             f"int32({n_suffixes},); corrupt or from another version, rebuild it")
-        if n_tokens == 0 or self.tokens[-1] != SEP or (n_suffixes and not (
-                0 <= int(self.sa.min()) and int(self.sa.max()) < n_tokens - 1)):
-            raise ValueError(f"datastore {self.path}: tokens.npy or sa.npy is corrupt (out-of-range entries); "
-                             "rebuild it")
+            raise ValueError(
+                f"datastore {self.path}: sa.npy is {self.sa.dtype}{self.sa.shape}, the header says "
+                f"int32({n_suffixes},); corrupt or from another version, rebuild it"
+            )
+        if (
+            n_tokens == 0
+            or self.tokens[-1] != SEP
+            or (n_suffixes and not (int(self.sa.min()) >= 0 and int(self.sa.max()) < n_tokens - 1))
+        ):
+            raise ValueError(
+                f"datastore {self.path}: tokens.npy or sa.npy is corrupt (out-of-range entries); rebuild it"
+            )
         # Raw views for the binary search: bytes slices of the token file compare like token sequences, and a
         # memoryview over the suffix array yields Python ints; both are far cheaper per probe than NumPy scalars.
         self._files = [open(self.path / name, "rb") for name in ("tokens.npy", "sa.npy")]  # noqa: SIM115
         self._maps = [mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) for f in self._files]
         self._tok_bytes = self._maps[0]
         self._tok_offset = int(self.tokens.offset)
-        self._sa_ints = memoryview(self._maps[1])[int(self.sa.offset):].cast("i") if n_suffixes else []
+        self._sa_ints = memoryview(self._maps[1])[int(self.sa.offset) :].cast("i") if n_suffixes else []
 
     @property
     def tokenizer_sha256(self) -> str:
@@ -208,10 +217,8 @@ class Datastore:
     def close(self) -> None:
         self._sa_ints = []
         for m in self._maps:
-            try:
+            with contextlib.suppress(BufferError):  # a view is still alive somewhere; the OS unmaps at exit
                 m.close()
-            except BufferError:  # a view is still alive somewhere; the OS unmaps at exit
-                pass
         for f in self._files:
             f.close()
 
@@ -227,8 +234,9 @@ def read_header(path: Path) -> dict:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"datastore {path}: header.json is not a {FORMAT} header; rebuild it")
     if header.get("version") != VERSION:
-        raise ValueError(f"datastore {path}: format version {header.get('version')}, this metasd reads {VERSION}; "
-                         "rebuild it")
+        raise ValueError(
+            f"datastore {path}: format version {header.get('version')}, this metasd reads {VERSION}; rebuild it"
+        )
     try:
         for key in ("depth", "n_tokens", "n_suffixes"):
             if int(header[key]) < 0:

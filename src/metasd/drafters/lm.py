@@ -31,8 +31,14 @@ class ModelDrafter:
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         return self.propose_until(context, k, params, generator, None)
 
-    def propose_until(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
-                      stop: StopRule | None) -> Draft:
+    def propose_until(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        stop: StopRule | None,
+    ) -> Draft:
         """Up to k tokens; the stop rule may end the draft before token j is drawn or after it (`StopRule`).
 
         Each token's confidence is the largest probability of its q (for greedy drafting, that of the token itself).
@@ -50,4 +56,4 @@ class ModelDrafter:
             confidence.append(float(q.max()))
             if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
                 break
-        return Draft(seq[len(context):], torch.stack(rows) if rows else None, confidence)
+        return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence)

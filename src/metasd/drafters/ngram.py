@@ -54,7 +54,10 @@ def _match_length(ids: np.ndarray, hit: int, n: int) -> int:
     """How far the match of the last n tokens at `hit` extends backwards (at most LONGEST_MATCH): the lookup only
     needs max_ngram tokens to find a copy, but the full length says how sure the copy is."""
     length, end = n, len(ids) - n
-    while length < LONGEST_MATCH and hit - (length - n) - 1 >= 0 and \
-            ids[hit - (length - n) - 1] == ids[end - (length - n) - 1]:
+    while (
+        length < LONGEST_MATCH
+        and hit - (length - n) - 1 >= 0
+        and ids[hit - (length - n) - 1] == ids[end - (length - n) - 1]
+    ):
         length += 1
     return length

@@ -84,8 +84,15 @@ class SuffixDrafter:
     has_cache = False  # indexing the missed tokens costs microseconds, not a forward pass
     learns_across_requests = True  # `end` indexes the output into the history
 
-    def __init__(self, depth: int = 8, min_match: int = 1, history_requests: int = 256, name: str = "suffix",
-                 history_tokens: int = 1 << 16, max_histories: int = 64):
+    def __init__(
+        self,
+        depth: int = 8,
+        min_match: int = 1,
+        history_requests: int = 256,
+        name: str = "suffix",
+        history_tokens: int = 1 << 16,
+        max_histories: int = 64,
+    ):
         """history_requests: outputs each history keeps; history_tokens: tokens all histories keep together (about
         depth dictionary entries each: the default bounds the index to some 200 MB)."""
         if depth < 1 or min_match < 1:

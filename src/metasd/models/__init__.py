@@ -3,5 +3,13 @@ target's calibrated linear kernels."""
 
 from .loading import DEVICES, DTYPES, EMBEDDED, LoadedModel, load_model, load_tokenizer, resolve_device, same_tokenizer
 
-__all__ = ["DEVICES", "DTYPES", "EMBEDDED", "LoadedModel", "load_model", "load_tokenizer", "resolve_device",
-           "same_tokenizer"]
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "EMBEDDED",
+    "LoadedModel",
+    "load_model",
+    "load_tokenizer",
+    "resolve_device",
+    "same_tokenizer",
+]

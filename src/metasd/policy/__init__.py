@@ -15,7 +15,21 @@ from .base import ArmStats, Policy
 from .registry import DEFAULT_POLICY, MAX_BETA, MAX_BUDGET, POLICY_NAMES, build_policy, canonical_policy
 
 __all__ = [
-    "DEFAULT_POLICY", "EXP3", "MAX_BETA", "MAX_BUDGET", "POLICY_NAMES", "UCB", "AdaptivePolicy", "ArmStats",
-    "DiscountedUCB", "Fixed", "Policy", "RandomPolicy", "RoundRobin", "SequentialHalving", "SlidingWindowUCB",
-    "build_policy", "canonical_policy",
+    "DEFAULT_POLICY",
+    "EXP3",
+    "MAX_BETA",
+    "MAX_BUDGET",
+    "POLICY_NAMES",
+    "UCB",
+    "AdaptivePolicy",
+    "ArmStats",
+    "DiscountedUCB",
+    "Fixed",
+    "Policy",
+    "RandomPolicy",
+    "RoundRobin",
+    "SequentialHalving",
+    "SlidingWindowUCB",
+    "build_policy",
+    "canonical_policy",
 ]

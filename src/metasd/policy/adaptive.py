@@ -61,8 +61,20 @@ from .hindsight import Hindsight
 
 DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1, "extend": 0}
 _USAGE_PRIOR = 1.0  # pseudo-requests at full usage behind `AdaptivePolicy._usage`
-_BOUNDS = {"beta": (0.0, 10.0), "prior": (0.0, 1e6), "gamma": (0.5, 1.0), "max": (1, 64), "spread": (0, 1),
-           "extend": (0, 1)}
+_BOUNDS = {
+    "beta": (0.0, 10.0),
+    "prior": (0.0, 1e6),
+    "gamma": (0.5, 1.0),
+    "max": (1, 64),
+    "spread": (0, 1),
+    "extend": (0, 1),
+}
+
+
+def from_params(n_arms: int, param: str) -> AdaptivePolicy:
+    """The policy a `metasd-adaptive:...` name asks for (its `max` is the constructor's `max_draft`)."""
+    params = parse_params(param)
+    return AdaptivePolicy(n_arms, max_draft=params.pop("max"), **params)
 
 
 def parse_params(param: str) -> dict[str, float]:
@@ -89,8 +101,10 @@ def parse_params(param: str) -> dict[str, float]:
         out[key] = number
     if out["spread"] and out["prior"]:
         # with spread the history weight is estimated per drafter, so a prior would be silently ignored
-        raise ValueError("metasd-adaptive: prior (a fixed history weight) applies only with spread=0; "
-                         f"write metasd-adaptive:spread=0,prior={out['prior']:g}")
+        raise ValueError(
+            "metasd-adaptive: prior (a fixed history weight) applies only with spread=0; "
+            f"write metasd-adaptive:spread=0,prior={out['prior']:g}"
+        )
     out["max"] = int(out["max"])
     return out
 
@@ -104,13 +118,21 @@ class AdaptivePolicy:
     full_information = True
     wants_proposals = True
 
-    def __init__(self, n_arms: int, beta: float = 0.3, prior: float = 0.0, gamma: float = 1.0, max: int = 12,
-                 spread: float = 1, extend: float = 0):
+    def __init__(
+        self,
+        n_arms: int,
+        beta: float = 0.3,
+        prior: float = 0.0,
+        gamma: float = 1.0,
+        max_draft: int = 12,
+        spread: float = 1,
+        extend: float = 0,
+    ):
         if n_arms < 1:
             raise ValueError("a policy needs at least one drafter")
         self.n_arms = n_arms
         self.beta = beta
-        self.max_draft = int(max)
+        self.max_draft = int(max_draft)
         self.extends = bool(extend)
         # arms n_arms + a: drafter a as the continuation of a model's draft (`extension`), learned apart: its
         # proposals there are judged only where the model's tokens were accepted, easier text than a round's start
@@ -131,8 +153,9 @@ class AdaptivePolicy:
         self._since_start: list[float | None] = [None] * n_arms  # this request: tokens since its first draft
         self._yielded = [0.0] * n_arms  # and tokens its own rounds emitted
 
-    def attach(self, costs: CostModel, names: Sequence[str], free: Sequence[bool],
-               stoppable: Sequence[bool] | None = None) -> None:
+    def attach(
+        self, costs: CostModel, names: Sequence[str], free: Sequence[bool], stoppable: Sequence[bool] | None = None
+    ) -> None:
         """The engine hands over the machine's cost model, which drafters propose for free, and which model
         drafters take a stop rule (`StoppableDrafter`: they are sent out for the explored length and end their
         draft where it stops paying; the others draft the planned length)."""
@@ -153,8 +176,15 @@ class AdaptivePolicy:
     def _bonus(self, arm: int) -> float:
         return self.beta * math.sqrt(2.0 * math.log(self.rounds + 2) / (1.0 + self.acceptance.evidence(arm)))
 
-    def choose(self, k_max: int, proposals: Mapping[int, Draft], lags: Sequence[int], *, remaining: int | None = None,
-               fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
+    def choose(
+        self,
+        k_max: int,
+        proposals: Mapping[int, Draft],
+        lags: Sequence[int],
+        *,
+        remaining: int | None = None,
+        fresh: Sequence[bool] | None = None,
+    ) -> tuple[int | None, int]:
         costs = self._costs()
         if costs.target.plain_step_due():  # keep T(1) measured: every other estimate is scaled by it
             self._bar = 0.0
@@ -182,8 +212,9 @@ class AdaptivePolicy:
         self._bar = bar
         return best[1], best[2]
 
-    def _model_rates(self, arm: int, m: int, t: np.ndarray, lag: int, fresh: bool,
-                     remaining: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _model_rates(
+        self, arm: int, m: int, t: np.ndarray, lag: int, fresh: bool, remaining: int | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """[m + 1] expected tokens per second of drafting k = 0..m tokens with model drafter `arm`: with the
         optimism bonus (what the choice uses) and without (what the stop rule's bar uses)."""
         price = self._costs().drafter(self.names[arm])

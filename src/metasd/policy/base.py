@@ -31,15 +31,24 @@ class Policy(Protocol):
     pulls: list[int]
     mean_rewards: list[float]
 
-    def choose(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int], *, remaining: int | None = None,
-               fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
+    def choose(
+        self,
+        k: int,
+        proposals: Mapping[int, Draft],
+        lags: Sequence[int],
+        *,
+        remaining: int | None = None,
+        fresh: Sequence[bool] | None = None,
+    ) -> tuple[int | None, int]:
         """The drafter (None: a plain step) and draft length (<= k) of this round. lags: tokens each drafter must
         take in before drafting (its prompt when fresh: it has not drafted in this request yet); remaining: the
         tokens the request may still generate."""
+
     def stop_rule(self, arm: int, k: int) -> StopRule | None: ...
     def extension(self, arm: int, draft: Draft, proposals: Mapping[int, Draft]) -> tuple[int, int] | None:
         """After model drafter `arm` drafted: which free drafter's proposal for the context extended by the draft
         to append, and how many of its tokens (None: none). Asked only of policies with `extends`."""
+
     def feedback(self, outcome: RoundOutcome) -> float | None: ...
     def finish(self, context: list[int]) -> None: ...  # the request ended with this context
     def reset(self) -> None: ...
@@ -77,8 +86,11 @@ class ArmStats:
 
     def state(self) -> dict:
         """Sufficient statistics (per-arm pulls and reward sums, rounds played): what replicas share."""
-        return {"pulls": list(self.pulls), "sums": [m * n for m, n in zip(self.mean_rewards, self.pulls, strict=True)],
-                "rounds": self.rounds}
+        return {
+            "pulls": list(self.pulls),
+            "sums": [m * n for m, n in zip(self.mean_rewards, self.pulls, strict=True)],
+            "rounds": self.rounds,
+        }
 
     def merge(self, delta: dict) -> None:
         """Add statistics learned elsewhere (a `state()`, or the difference of two) to this policy's."""
@@ -92,8 +104,15 @@ class ArmStats:
             self.pulls[arm] = pulls
         self.rounds += delta["rounds"]
 
-    def choose(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int], *, remaining: int | None = None,
-               fresh: Sequence[bool] | None = None) -> tuple[int | None, int]:
+    def choose(
+        self,
+        k: int,
+        proposals: Mapping[int, Draft],
+        lags: Sequence[int],
+        *,
+        remaining: int | None = None,
+        fresh: Sequence[bool] | None = None,
+    ) -> tuple[int | None, int]:
         return self.select(), k
 
     def select(self) -> int:
@@ -106,8 +125,17 @@ class ArmStats:
         if outcome.arm is None:
             return None
         d = outcome.draft
-        score = reward(self.reward, outcome.p, d.q, d.tokens, outcome.accepted, outcome.k, outcome.draft_time,
-                       outcome.verify_time, outcome.target_tokens)
+        score = reward(
+            self.reward,
+            outcome.p,
+            d.q,
+            d.tokens,
+            outcome.accepted,
+            outcome.k,
+            outcome.draft_time,
+            outcome.verify_time,
+            outcome.target_tokens,
+        )
         self.update(outcome.arm, score)
         if self.full_information:
             for arm, draft in outcome.proposals.items():
@@ -123,8 +151,20 @@ class ArmStats:
         """Hindsight rewards (be-cost style: a drafter's accepted length is all a draft without q shows)."""
         for d in self.hindsight.resolve(context, final):
             o: RoundOutcome = d.pending.info
-            self.observe(d.pending.arm, reward(self.reward, None, None, d.pending.tokens, d.matched, o.k, 0.0,
-                                               o.verify_time, d.pending.tokens[: d.matched]))
+            self.observe(
+                d.pending.arm,
+                reward(
+                    self.reward,
+                    None,
+                    None,
+                    d.pending.tokens,
+                    d.matched,
+                    o.k,
+                    0.0,
+                    o.verify_time,
+                    d.pending.tokens[: d.matched],
+                ),
+            )
 
     def update(self, arm: int, reward: float) -> None:
         self._record(arm, reward)

@@ -13,14 +13,32 @@ from .base import Policy
 DEFAULT_POLICY = "metasd-adaptive"
 
 POLICY_NAMES: tuple[str, ...] = (
-    "metasd-ucb", "metasd-ucb-cost", "metasd-fi", "metasd-adaptive", "ducb", "swucb", "ducb-cost", "swucb-cost",
-    "ucb-be", "exp3", "sequential-halving", "random", "round-robin", "none",
+    "metasd-ucb",
+    "metasd-ucb-cost",
+    "metasd-fi",
+    "metasd-adaptive",
+    "ducb",
+    "swucb",
+    "ducb-cost",
+    "swucb-cost",
+    "ucb-be",
+    "exp3",
+    "sequential-halving",
+    "random",
+    "round-robin",
+    "none",
 )
 _UCB_REWARDS = {"metasd-ucb": "bd", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost", "ucb-be": "be"}
 # beta 1 is the paper's. Ours default to 0.1: a request is ~50 rounds and reward gaps are ~0.1, so beta 1 spends most
 # of a request exploring a slow drafter (measured with `metasd bench --quick`, see README "Beyond the paper").
-_DEFAULTS: dict[str, float] = {"metasd-ucb": 1.0, "ucb-be": 1.0, "metasd-ucb-cost": 0.1, "metasd-fi": 0.1,
-                               "exp3": 0.1, "sequential-halving": 32}
+_DEFAULTS: dict[str, float] = {
+    "metasd-ucb": 1.0,
+    "ucb-be": 1.0,
+    "metasd-ucb-cost": 0.1,
+    "metasd-fi": 0.1,
+    "exp3": 0.1,
+    "sequential-halving": 32,
+}
 # The forgetting bandits (see DiscountedUCB): base -> (class, reward, first parameter's name, kind, default, bounds).
 _DRIFTING: dict[str, tuple] = {
     "ducb": (DiscountedUCB, "bd", "gamma", float, 0.95, (0.0, 1.0)),
@@ -82,7 +100,7 @@ def build_policy(name: str, drafter_names: Sequence[str], seed: int | None = Non
         raise ValueError(f"policy {name!r} needs at least one drafter (use 'none' for plain decoding)")
     k = len(drafter_names)
     if base == "metasd-adaptive":
-        return adaptive.AdaptivePolicy(k, **adaptive.parse_params(param))
+        return adaptive.from_params(k, param)
     if base == "fixed":
         if param not in drafter_names:
             raise ValueError(f"policy {name!r}: use fixed:<drafter> with one of {list(drafter_names)}")

@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 
 
-def block_divergence(p: torch.Tensor | None, q: torch.Tensor | None, draft: list[int], k: int,
-                     target_tokens: list[int] | None = None) -> float:
+def block_divergence(
+    p: torch.Tensor | None, q: torch.Tensor | None, draft: list[int], k: int, target_tokens: list[int] | None = None
+) -> float:
     """p: [>= len(draft), V] target probabilities at the drafted positions; q: [len(draft), V] or None.
 
     target_tokens (greedy decoding, p unused): the target's argmax at each drafted position.
@@ -54,8 +55,17 @@ def per_time(tokens: float, k: int, draft_time: float, verify_time: float) -> fl
 REWARDS = ("bd", "be", "bd-cost", "be-cost")
 
 
-def reward(kind: str, p: torch.Tensor | None, q: torch.Tensor | None, draft: list[int], accepted: int, k: int,
-           draft_time: float = 0.0, verify_time: float = 1.0, target_tokens: list[int] | None = None) -> float:
+def reward(
+    kind: str,
+    p: torch.Tensor | None,
+    q: torch.Tensor | None,
+    draft: list[int],
+    accepted: int,
+    k: int,
+    draft_time: float = 0.0,
+    verify_time: float = 1.0,
+    target_tokens: list[int] | None = None,
+) -> float:
     """One round's reward; under greedy decoding pass target_tokens (the target's argmax per position), not p."""
     if kind == "bd":
         return block_divergence(p, q, draft, k, target_tokens)

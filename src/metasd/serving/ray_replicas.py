@@ -40,14 +40,23 @@ def _diff(a: dict, b: dict | None) -> dict:
     """a - b, statistic by statistic (b None: zero)."""
     if b is None:
         return {"pulls": list(a["pulls"]), "sums": list(a["sums"]), "rounds": a["rounds"]}
-    return {"pulls": [x - y for x, y in zip(a["pulls"], b["pulls"], strict=True)],
-            "sums": [x - y for x, y in zip(a["sums"], b["sums"], strict=True)], "rounds": a["rounds"] - b["rounds"]}
+    return {
+        "pulls": [x - y for x, y in zip(a["pulls"], b["pulls"], strict=True)],
+        "sums": [x - y for x, y in zip(a["sums"], b["sums"], strict=True)],
+        "rounds": a["rounds"] - b["rounds"],
+    }
 
 
 def _add(a: dict | None, b: dict) -> dict:
-    return dict(b) if a is None else {"pulls": [x + y for x, y in zip(a["pulls"], b["pulls"], strict=True)],
-                                      "sums": [x + y for x, y in zip(a["sums"], b["sums"], strict=True)],
-                                      "rounds": a["rounds"] + b["rounds"]}
+    return (
+        dict(b)
+        if a is None
+        else {
+            "pulls": [x + y for x, y in zip(a["pulls"], b["pulls"], strict=True)],
+            "sums": [x + y for x, y in zip(a["sums"], b["sums"], strict=True)],
+            "rounds": a["rounds"] + b["rounds"],
+        }
+    )
 
 
 class PolicyHub:
@@ -140,8 +149,9 @@ def _build_app():
 class MetasdReplica:
     """One replica: a Decoder and the app `create_app` builds over it."""
 
-    def __init__(self, decoder_options: dict, app_options: dict, threads: int | None = None,
-                 hub: Any = None, sync_s: float = 5.0):
+    def __init__(
+        self, decoder_options: dict, app_options: dict, threads: int | None = None, hub: Any = None, sync_s: float = 5.0
+    ):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if threads:
             import torch
@@ -165,8 +175,14 @@ def _gpus(decoder_options: dict) -> int:
     return 1 if str(decoder_options.get("device", "auto")).startswith("cuda") else 0
 
 
-def build(decoder_options: dict, app_options: dict, replicas: int, replica_cpus: float | None = None,
-          threads: int | None = None, sync_s: float = 5.0):
+def build(
+    decoder_options: dict,
+    app_options: dict,
+    replicas: int,
+    replica_cpus: float | None = None,
+    threads: int | None = None,
+    sync_s: float = 5.0,
+):
     """The Serve application (and its hub) for `serve.run`; call after ray.init."""
     hub = None
     if decoder_options.get("policy_scope") == "server":
@@ -174,22 +190,36 @@ def build(decoder_options: dict, app_options: dict, replicas: int, replica_cpus:
     cpus = replica_cpus if replica_cpus is not None else 1
     deployment = MetasdReplica.options(
         # Ray hides GPUs from actors that reserve none: `--device cuda` reserves one per replica
-        num_replicas=replicas, ray_actor_options={"num_cpus": cpus, "num_gpus": _gpus(decoder_options)},
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": cpus, "num_gpus": _gpus(decoder_options)},
         # the app queues and answers 429 itself (--max-queue): let Serve hand it that many
-        max_ongoing_requests=app_options.get("max_queue", 64) + 1)
+        max_ongoing_requests=app_options.get("max_queue", 64) + 1,
+    )
     return deployment.bind(decoder_options, app_options, threads or (int(cpus) if cpus >= 1 else None), hub, sync_s)
 
 
-def serve_replicas(decoder_options: dict, app_options: dict, replicas: int, host: str = "127.0.0.1",
-                   port: int = 8000, address: str | None = None, replica_cpus: float | None = None,
-                   threads: int | None = None, sync_s: float = 5.0) -> None:
+def serve_replicas(
+    decoder_options: dict,
+    app_options: dict,
+    replicas: int,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    replica_cpus: float | None = None,
+    threads: int | None = None,
+    sync_s: float = 5.0,
+) -> None:
     """Run `replicas` copies until interrupted (`metasd serve --replicas N`)."""
-    ray.init(address=None if address in (None, "", "local") else address, include_dashboard=False,
-             logging_level="warning")
+    ray.init(
+        address=None if address in (None, "", "local") else address, include_dashboard=False, logging_level="warning"
+    )
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build(decoder_options, app_options, replicas, replica_cpus, threads, sync_s), name="metasd",
-                  route_prefix="/")
+        serve.run(
+            build(decoder_options, app_options, replicas, replica_cpus, threads, sync_s),
+            name="metasd",
+            route_prefix="/",
+        )
         print(f"metasd: {replicas} replicas on http://{host}:{port} (Ctrl-C stops)", flush=True)
         while True:
             time.sleep(3600)

@@ -35,8 +35,14 @@ log = logging.getLogger(__name__)
 
 # OpenAI fields the decoder cannot honour: accepted only at these neutral values, rejected otherwise.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
     "tools": (None, []),
 }
 MAX_STOP = 4  # as OpenAI
@@ -48,8 +54,14 @@ HISTORY_SCOPES = ("shared", "per-key", "off")
 class ApiError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -79,8 +91,12 @@ class _Request(BaseModel):
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP or not all(stops) or max(map(len, stops), default=0) > MAX_STOP_CHARS:
-            raise ApiError(400, f"stop must be a non-empty string of at most {MAX_STOP_CHARS} characters or a list "
-                                f"of at most {MAX_STOP} of them", "stop")
+            raise ApiError(
+                400,
+                f"stop must be a non-empty string of at most {MAX_STOP_CHARS} characters or a list "
+                f"of at most {MAX_STOP} of them",
+                "stop",
+            )
         return stops
 
     def check(self) -> None:
@@ -152,23 +168,39 @@ class _Metrics:
 
     def __init__(self, drafters: list[str]):
         self.registry = r = CollectorRegistry()
-        self.success = Counter("metasd:request_success", "Finished requests by reason: stop, length, abort",
-                               ["finished_reason"], registry=r)
-        self.failure = Counter("metasd:request_failure", "Requests answered with an error, by HTTP status",
-                               ["status"], registry=r)
+        self.success = Counter(
+            "metasd:request_success",
+            "Finished requests by reason: stop, length, abort",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.failure = Counter(
+            "metasd:request_failure", "Requests answered with an error, by HTTP status", ["status"], registry=r
+        )
         self.prompt_tokens = Counter("metasd:prompt_tokens", "Prompt tokens of decoded requests", registry=r)
         self.generation_tokens = Counter("metasd:generation_tokens", "Generated tokens", registry=r)
         self.rounds = Counter("metasd:spec_decode_num_rounds", "Decoding rounds, one target forward each", registry=r)
-        self.drafts = Counter("metasd:spec_decode_num_drafts", "Rounds each drafter was picked for (bandit pulls)",
-                              ["drafter"], registry=r)
-        self.draft_tokens = Counter("metasd:spec_decode_num_draft_tokens", "Tokens proposed, by drafter",
-                                    ["drafter"], registry=r)
-        self.accepted = Counter("metasd:spec_decode_num_accepted_tokens", "Draft tokens the target accepted",
-                                ["drafter"], registry=r)
-        self.switches = Counter("metasd:spec_decode_num_switches", "Rounds whose drafter differs from the last one's",
-                                registry=r)
-        self.latency = Histogram("metasd:e2e_request_latency_seconds", "Arrival to last token, queueing included",
-                                 buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640), registry=r)
+        self.drafts = Counter(
+            "metasd:spec_decode_num_drafts",
+            "Rounds each drafter was picked for (bandit pulls)",
+            ["drafter"],
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "metasd:spec_decode_num_draft_tokens", "Tokens proposed, by drafter", ["drafter"], registry=r
+        )
+        self.accepted = Counter(
+            "metasd:spec_decode_num_accepted_tokens", "Draft tokens the target accepted", ["drafter"], registry=r
+        )
+        self.switches = Counter(
+            "metasd:spec_decode_num_switches", "Rounds whose drafter differs from the last one's", registry=r
+        )
+        self.latency = Histogram(
+            "metasd:e2e_request_latency_seconds",
+            "Arrival to last token, queueing included",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640),
+            registry=r,
+        )
         self.waiting = Gauge("metasd:num_requests_waiting", "Requests queued behind the running one", registry=r)
         self.running = Gauge("metasd:num_requests_running", "Requests decoding (0 or 1)", registry=r)
         for name in drafters:  # export zeros from the start, so rate() works from the first scrape
@@ -262,8 +294,12 @@ class _Engine:
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
-            raise ApiError(429, f"the server is busy: {self.jobs.maxsize} requests are already waiting "
-                                "(--max-queue); retry later", code="queue_full", kind="rate_limit_error") from None
+            raise ApiError(
+                429,
+                f"the server is busy: {self.jobs.maxsize} requests are already waiting (--max-queue); retry later",
+                code="queue_full",
+                kind="rate_limit_error",
+            ) from None
 
     def _loop(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -290,8 +326,13 @@ class _Engine:
         context = dec.target.max_length
         max_new = job.max_tokens or context - len(ids)
         if len(ids) >= context or len(ids) + max_new > context:
-            raise ApiError(400, f"this model's context is {context} tokens, but the prompt has {len(ids)} and "
-                                f"max_tokens asks for {max_new} more", "max_tokens", "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's context is {context} tokens, but the prompt has {len(ids)} and "
+                f"max_tokens asks for {max_new} more",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         for drafter in dec.drafters.values():  # the request's own history (--history-scope), before it begins
             if hasattr(drafter, "use_history"):
                 drafter.use_history(job.history)
@@ -367,8 +408,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
     and while reading (a chunked body has none)."""
     media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media != "application/json":
-        raise ApiError(415, f"Content-Type must be application/json, got {media or 'none'!r} "
-                            "(with curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, got {media or 'none'!r} "
+            "(with curl: -H 'Content-Type: application/json')",
+            code="unsupported_media_type",
+        )
     too_large = ApiError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)", code="body_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -400,8 +445,13 @@ async def _parse(request: Request, schema: type[_Body], limit: int) -> _Body:
         raise ApiError(400, f"{param}: {first['msg']}", param) from None
 
 
-def create_app(decoder: Decoder, api_key: str | Sequence[str] | None = None, max_queue: int = 64,
-               max_body_bytes: int = MAX_BODY_BYTES, history_scope: str = "shared") -> FastAPI:
+def create_app(
+    decoder: Decoder,
+    api_key: str | Sequence[str] | None = None,
+    max_queue: int = 64,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    history_scope: str = "shared",
+) -> FastAPI:
     """An app serving `decoder`; the worker thread runs between the app's startup and shutdown.
 
     api_key: one key, several (a list, or one string with commas), or None (no authentication).
@@ -420,9 +470,11 @@ def create_app(decoder: Decoder, api_key: str | Sequence[str] | None = None, max
     if history_scope == "per-key" and keys is None:
         raise ValueError("history scope 'per-key' needs API keys (--api-key KEY[,KEY...])")
     if history_scope != "shared" and decoder.policy_scope == "server":
-        raise ValueError(f"history scope {history_scope!r} isolates clients, but policy scope 'server' shares one "
-                         "policy (and its statistics in every response) across all of them; use policy scope "
-                         "'request'")
+        raise ValueError(
+            f"history scope {history_scope!r} isolates clients, but policy scope 'server' shares one "
+            "policy (and its statistics in every response) across all of them; use policy scope "
+            "'request'"
+        )
     model_name = decoder.target.spec
     max_chars = _max_prompt_chars(decoder.tokenizer, decoder.target.max_length)
     metrics = _Metrics(decoder.drafter_names)
@@ -462,15 +514,23 @@ def create_app(decoder: Decoder, api_key: str | Sequence[str] | None = None, max
         # compare with every key (no early exit), so timing does not tell which one nearly matched
         matches = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
         if scheme.lower() != "bearer" or not any(matches):
-            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", kind="authentication_error")
+            raise ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                kind="authentication_error",
+            )
         if history_scope == "per-key":
             request.state.history = f"key-{matches.index(True)}"
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = {"status": "ok" if engine.alive else "engine stopped", "model": model_name,
-                "waiting": engine.jobs.qsize(), "running": int(engine.busy)}
+        body = {
+            "status": "ok" if engine.alive else "engine stopped",
+            "model": model_name,
+            "waiting": engine.jobs.qsize(),
+            "running": int(engine.busy),
+        }
         return JSONResponse(body, status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
@@ -481,13 +541,31 @@ def create_app(decoder: Decoder, api_key: str | Sequence[str] | None = None, max
         """Queue a job and answer from its first event: an error, the whole result, or the start of a stream."""
         body.check()
         if body.model not in (None, model_name):
-            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                "model",
+                "model_not_found",
+            )
         _check_prompt_size(prompt, chat, max_chars, decoder.target.max_length)
-        options = {"temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p, "seed": body.seed,
-                   "policy": body.metasd_policy, "drafters": body.metasd_drafters}
-        job = _Job(prompt, not chat, max_tokens, options, body.stops(), body.stream, asyncio.get_running_loop(),
-                   history=request.state.history)
+        options = {
+            "temperature": body.temperature,
+            "top_k": body.top_k,
+            "top_p": body.top_p,
+            "seed": body.seed,
+            "policy": body.metasd_policy,
+            "drafters": body.metasd_drafters,
+        }
+        job = _Job(
+            prompt,
+            not chat,
+            max_tokens,
+            options,
+            body.stops(),
+            body.stream,
+            asyncio.get_running_loop(),
+            history=request.state.history,
+        )
         engine.submit(job)
         reply = _Reply(job, model_name, chat)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
@@ -500,8 +578,9 @@ def create_app(decoder: Decoder, api_key: str | Sequence[str] | None = None, max
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
             if kind == "start":
                 handed_over = True
-                return StreamingResponse(reply.sse(), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    reply.sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                )
             return JSONResponse(reply.whole(payload))
         finally:
             watcher.cancel()
@@ -512,9 +591,17 @@ def create_app(decoder: Decoder, api_key: str | Sequence[str] | None = None, max
 
     @v1.get("/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "metasd",
-                "metasd": {"drafters": decoder.drafter_names, "policy": decoder.default_policy,
-                           "policy_scope": decoder.policy_scope}}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "metasd",
+            "metasd": {
+                "drafters": decoder.drafter_names,
+                "policy": decoder.default_policy,
+                "policy_scope": decoder.policy_scope,
+            },
+        }
         return {"object": "list", "data": [card]}
 
     @v1.post("/completions")
@@ -526,8 +613,9 @@ def create_app(decoder: Decoder, api_key: str | Sequence[str] | None = None, max
     async def chat(request: Request) -> Response:
         body = await _parse(request, ChatRequest, max_body_bytes)
         messages = [m.as_dict() for m in body.messages]
-        return await respond(request, body, messages, chat=True, max_tokens=body.max_completion_tokens
-                             or body.max_tokens)
+        return await respond(
+            request, body, messages, chat=True, max_tokens=body.max_completion_tokens or body.max_tokens
+        )
 
     app.include_router(v1)
 
@@ -557,8 +645,12 @@ def _check_prompt_size(prompt: Any, chat: bool, max_chars: int, context: int) ->
     if chat and len(prompt) > context:  # a chat template marks every turn with at least one token
         size, unit, limit = len(prompt), "messages", context
     if size > limit:
-        raise ApiError(400, f"this model's context is {context} tokens, and a prompt of {size} {unit} cannot fit in "
-                            "it", "messages" if chat else "prompt", "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"this model's context is {context} tokens, and a prompt of {size} {unit} cannot fit in it",
+            "messages" if chat else "prompt",
+            "context_length_exceeded",
+        )
 
 
 async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
@@ -578,13 +670,22 @@ class _Reply:
         self.created = int(time.time())
 
     def _body(self, obj: str, choice: dict, **extra: Any) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, **choice, "logprobs": None}], **extra}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, **choice, "logprobs": None}],
+            **extra,
+        }
 
     @staticmethod
     def _usage(out: _Outcome) -> dict:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens}
+        return {
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+        }
 
     def whole(self, out: _Outcome) -> dict:
         if self.chat:
@@ -628,13 +729,21 @@ def _json(body: dict) -> str:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 
-def serve(decoder: Decoder, host: str = "127.0.0.1", port: int = 8000, api_key: str | Sequence[str] | None = None,
-          max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES, history_scope: str = "shared") -> None:
+def serve(
+    decoder: Decoder,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | Sequence[str] | None = None,
+    max_queue: int = 64,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    history_scope: str = "shared",
+) -> None:
     """Run the server until interrupted (the `metasd serve` command)."""
     import uvicorn
 
     # On shutdown, give in-flight requests 10 s, then cancel them (which stops their jobs) rather than wait for
     # every queued generation to finish.
-    app = create_app(decoder, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
-                     history_scope=history_scope)
+    app = create_app(
+        decoder, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes, history_scope=history_scope
+    )
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)

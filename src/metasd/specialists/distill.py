@@ -92,8 +92,15 @@ def encode(tokenizer, messages: list[dict]) -> list[int]:
 
 
 @torch.inference_mode()
-def generate_outputs(target, prompts: list[list[dict]], cache: Path, max_new_tokens: int, max_prompt_tokens: int,
-                     batch_size: int, progress: bool = True) -> list[dict]:
+def generate_outputs(
+    target,
+    prompts: list[list[dict]],
+    cache: Path,
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    batch_size: int,
+    progress: bool = True,
+) -> list[dict]:
     """The target's greedy answers, cached in `cache` (JSONL: index, prompt_ids, output_ids); resumable."""
     from tqdm import tqdm
 
@@ -118,15 +125,22 @@ def generate_outputs(target, prompts: list[list[dict]], cache: Path, max_new_tok
         todo.append((i, ids))
     todo.sort(key=lambda item: len(item[1]))  # similar lengths batch with little padding
     cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache, "a", encoding="utf-8") as f, tqdm(total=len(prompts), initial=len(done), unit="prompt",
-                                                       desc="target answers", disable=not progress) as bar:
+    with (
+        open(cache, "a", encoding="utf-8") as f,
+        tqdm(total=len(prompts), initial=len(done), unit="prompt", desc="target answers", disable=not progress) as bar,
+    ):
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             width = max(len(ids) for _, ids in batch)
             input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch])
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
-            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=pad)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+            )
             for (i, ids), row in zip(batch, out[:, width:].tolist(), strict=True):
                 cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))  # keep the EOS: learn to stop
                 record = {"index": i, "prompt_ids": ids, "output_ids": row[:cut]}
@@ -248,8 +262,12 @@ def acceptance(drafter, examples, k: int, pad: int, batch_tokens: int = 4096) ->
                 tokens += step
                 rounds += 1
                 i += step
-    return {"mean_accepted_tokens": round(tokens / max(rounds, 1), 4), "agreement": round(agree / max(total, 1), 4),
-            "answers": len(examples), "answer_tokens": total}
+    return {
+        "mean_accepted_tokens": round(tokens / max(rounds, 1), 4),
+        "agreement": round(agree / max(total, 1), 4),
+        "answers": len(examples),
+        "answer_tokens": total,
+    }
 
 
 def _lr(step: int, total: int, peak: float, warmup: int) -> float:
@@ -259,11 +277,27 @@ def _lr(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers: int = 4, steps: int = 300,
-            batch_tokens: int = 2048, lr: float = 1e-3, max_new_tokens: int = 128, max_prompt_tokens: int = 512,
-            max_len: int = 512, gen_batch: int = 8, holdout: float = 0.1, draft_len: int = 5, save_every: int = 25,
-            seed: int = 0, restart: bool = False, progress: bool = True, eval_on: tuple[str, ...] = (),
-            eval_answers: int = 100) -> dict:
+def distill(
+    target_spec: str | None,
+    prompts_path: str,
+    out: str | Path,
+    layers: int = 4,
+    steps: int = 300,
+    batch_tokens: int = 2048,
+    lr: float = 1e-3,
+    max_new_tokens: int = 128,
+    max_prompt_tokens: int = 512,
+    max_len: int = 512,
+    gen_batch: int = 8,
+    holdout: float = 0.1,
+    draft_len: int = 5,
+    save_every: int = 25,
+    seed: int = 0,
+    restart: bool = False,
+    progress: bool = True,
+    eval_on: tuple[str, ...] = (),
+    eval_answers: int = 100,
+) -> dict:
     from tqdm import tqdm
 
     from ..models.loading import load_model
@@ -277,8 +311,9 @@ def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers:
     ckpt_path = out / "checkpoint.pt"
     if restart and ckpt_path.exists():
         ckpt_path.unlink()
-    rows = generate_outputs(target, prompts, out / "distill-data" / "outputs.jsonl", max_new_tokens,
-                            max_prompt_tokens, gen_batch, progress)
+    rows = generate_outputs(
+        target, prompts, out / "distill-data" / "outputs.jsonl", max_new_tokens, max_prompt_tokens, gen_batch, progress
+    )
     generate_s = time.perf_counter() - started
     rng = random.Random(seed)
     shuffled = rows[:]
@@ -298,8 +333,9 @@ def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers:
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         if ckpt.get("layers") != layers:
-            raise ValueError(f"{ckpt_path} is a {ckpt.get('layers')}-layer run; use --layers {ckpt.get('layers')} "
-                             "or --restart")
+            raise ValueError(
+                f"{ckpt_path} is a {ckpt.get('layers')}-layer run; use --layers {ckpt.get('layers')} or --restart"
+            )
         drafter.load_state_dict(ckpt["trainable"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         step, meta = int(ckpt["step"]), ckpt.get("meta", {})
@@ -316,8 +352,16 @@ def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers:
         meta["final_loss"] = round(sum(losses[-20:]) / len(losses[-20:]), 4)
         meta["train_seconds"] = round(trained_before + time.perf_counter() - train_started, 1)
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"step": step, "layers": layers, "trainable": {n: p.detach() for n, p in params.items()},
-                    "optimizer": optimizer.state_dict(), "meta": meta}, tmp)
+        torch.save(
+            {
+                "step": step,
+                "layers": layers,
+                "trainable": {n: p.detach() for n, p in params.items()},
+                "optimizer": optimizer.state_dict(),
+                "meta": meta,
+            },
+            tmp,
+        )
         os.replace(tmp, ckpt_path)
 
     out.mkdir(parents=True, exist_ok=True)
@@ -359,16 +403,27 @@ def distill(target_spec: str | None, prompts_path: str, out: str | Path, layers:
     drafter.save_pretrained(out)
     tok.save_pretrained(out)
     report = {
-        "target": target_spec or "embedded", "prompts": str(prompts_path), "layers": layers, "steps": step,
-        "batch_tokens": batch_tokens, "lr": lr, "max_new_tokens": max_new_tokens,
-        "train_answers": len(train), "train_answer_tokens": sum(len(s) - a for s, a in train),
-        "heldout_answers": len(held), "draft_len": draft_len,
-        "acceptance_before": meta.get("before"), "acceptance_after": meta.get("after"),
+        "target": target_spec or "embedded",
+        "prompts": str(prompts_path),
+        "layers": layers,
+        "steps": step,
+        "batch_tokens": batch_tokens,
+        "lr": lr,
+        "max_new_tokens": max_new_tokens,
+        "train_answers": len(train),
+        "train_answer_tokens": sum(len(s) - a for s, a in train),
+        "heldout_answers": len(held),
+        "draft_len": draft_len,
+        "acceptance_before": meta.get("before"),
+        "acceptance_after": meta.get("after"),
         "acceptance_elsewhere": cross,
         "final_loss": meta.get("final_loss"),
-        "seconds": {"generate": round(generate_s, 1), "train_this_run": round(train_s, 1),
-                    "train_all_runs": meta.get("train_seconds"),
-                    "total_this_run": round(time.perf_counter() - started, 1)},
+        "seconds": {
+            "generate": round(generate_s, 1),
+            "train_this_run": round(train_s, 1),
+            "train_all_runs": meta.get("train_seconds"),
+            "total_this_run": round(time.perf_counter() - started, 1),
+        },
     }
     (out / "distill.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return report

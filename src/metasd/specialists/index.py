@@ -26,14 +26,49 @@ import numpy as np
 
 from ..drafters.datastore import FORMAT, SA_DTYPE, SEP, TOKENS_DTYPE, VERSION, tokenizer_fingerprint
 
-DEFAULT_INCLUDE = ("*.py", "*.pyi", "*.txt", "*.md", "*.rst", "*.jsonl", "*.json", "*.c", "*.h", "*.cpp", "*.js",
-                   "*.ts", "*.java", "*.go", "*.rs", "*.sh", "*.tex")
-DEFAULT_EXCLUDE = ("site-packages", "dist-packages", "__pycache__", ".git", ".hg", ".svn", "node_modules", ".venv",
-                   "*.egg-info")
+DEFAULT_INCLUDE = (
+    "*.py",
+    "*.pyi",
+    "*.txt",
+    "*.md",
+    "*.rst",
+    "*.jsonl",
+    "*.json",
+    "*.c",
+    "*.h",
+    "*.cpp",
+    "*.js",
+    "*.ts",
+    "*.java",
+    "*.go",
+    "*.rs",
+    "*.sh",
+    "*.tex",
+)
+DEFAULT_EXCLUDE = (
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    ".git",
+    ".hg",
+    ".svn",
+    "node_modules",
+    ".venv",
+    "*.egg-info",
+)
 CHUNK_CHARS = 1 << 20
 _PAIR_FIELDS = ("system", "instruction", "prompt", "question", "input", "response", "output", "answer", "completion")
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 
 
 def load_tokenizer(spec: str | None):
@@ -61,7 +96,8 @@ def corpus_files(paths: list[str], include: tuple[str, ...], exclude: tuple[str,
                 dirs[:] = sorted(d for d in dirs if not any(fnmatch.fnmatch(d, pat) for pat in exclude))
                 for name in sorted(names):
                     if any(fnmatch.fnmatch(name, pat) for pat in include) and not any(
-                            fnmatch.fnmatch(name, pat) for pat in exclude):
+                        fnmatch.fnmatch(name, pat) for pat in exclude
+                    ):
                         found.append(Path(root) / name)
             if not found:
                 raise ValueError(f"{raw}: no files matching {', '.join(include)}")
@@ -189,9 +225,17 @@ def suffix_array(tokens: np.ndarray, depth: int, progress=None) -> np.ndarray:
     return order[keep].astype(SA_DTYPE)
 
 
-def build_index(corpora: list[str], out: str | Path, tokenizer, target: str = "embedded", depth: int = 16,
-                include: tuple[str, ...] = DEFAULT_INCLUDE, exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
-                max_tokens: int | None = None, progress: bool = True) -> dict:
+def build_index(
+    corpora: list[str],
+    out: str | Path,
+    tokenizer,
+    target: str = "embedded",
+    depth: int = 16,
+    include: tuple[str, ...] = DEFAULT_INCLUDE,
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
+    max_tokens: int | None = None,
+    progress: bool = True,
+) -> dict:
     """Tokenize the corpora, sort the suffixes, write out/{tokens.npy, sa.npy, header.json}; return the header."""
     from tqdm import tqdm
 
@@ -222,8 +266,9 @@ def build_index(corpora: list[str], out: str | Path, tokenizer, target: str = "e
                 source["tokens"] += len(ids)
         batch.clear()
 
-    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="tokenizing",
-               disable=not progress)
+    bar = tqdm(
+        total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="tokenizing", disable=not progress
+    )
     for path in files:
         source = sources.setdefault(str(path.parent if len(files) > 20 else path), {"documents": 0, "tokens": 0})
         for text in iter_documents(path, tokenizer):
@@ -252,10 +297,18 @@ def build_index(corpora: list[str], out: str | Path, tokenizer, target: str = "e
     np.save(out / "tokens.npy", tokens.astype(TOKENS_DTYPE))
     np.save(out / "sa.npy", sa)
     header = {
-        "format": FORMAT, "version": VERSION, "depth": depth,
-        "n_tokens": int(tokens.size), "n_suffixes": int(sa.size), "n_documents": docs,
-        "tokenizer": {"sha256": tokenizer_fingerprint(tokenizer), "name": getattr(tokenizer, "name_or_path", None),
-                      "vocab_size": len(tokenizer.get_vocab()), "target": target},
+        "format": FORMAT,
+        "version": VERSION,
+        "depth": depth,
+        "n_tokens": int(tokens.size),
+        "n_suffixes": int(sa.size),
+        "n_documents": docs,
+        "tokenizer": {
+            "sha256": tokenizer_fingerprint(tokenizer),
+            "name": getattr(tokenizer, "name_or_path", None),
+            "vocab_size": len(tokenizer.get_vocab()),
+            "target": target,
+        },
         "sources": [{"path": path, **counts} for path, counts in sources.items()],
         "build_seconds": {"tokenize": round(tokenize_s, 2), "total": round(time.perf_counter() - started, 2)},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
