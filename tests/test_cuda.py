@@ -1,9 +1,10 @@
-"""The same guarantees on a GPU: greedy equality and the sampled distribution with the models on CUDA.
+"""The guarantees on a GPU, with the models on CUDA: the sampled distribution, and greedy output as exactly as floats
+allow. CI has no GPU, so every test here is skipped there; on a machine with one, `pytest -m cuda tests/test_cuda.py`.
 
-CI has no GPU, so every test here is skipped there; on a machine with one, `pytest -m cuda tests/test_cuda.py` checks
-it (the default run includes them too). The reference is the target's own `generate()` on the same device: float32
-on CUDA can pick other kernels for M-token and 1-token forwards, as bfloat16 does on the CPU, so a mismatch here is
-reported with the position where it happened.
+The reference is the target's own `generate()` on the same device. Plain steps run the very forwards it runs, so
+they must match it exactly. Drafting verifies M tokens in one forward, for which CUDA can pick other kernels than
+for a 1-token step: the logits may differ in the last bits, and a greedy token may differ where the target's top
+two logits nearly tie. So with drafting the output must match up to its first near-tie, and no further.
 """
 
 import json
@@ -41,12 +42,28 @@ def test_models_live_on_the_gpu(cuda_decoder):
     assert cuda_decoder.drafters["lm:embedded"].lm.device.type == "cuda"
 
 
-@pytest.mark.parametrize("policy", ["none", "metasd-adaptive", "metasd-ucb", *(f"fixed:{d}" for d in POOL)])
-def test_greedy_output_equals_generate_on_cuda(cuda_decoder, cuda_cases, policy):
+NEAR_TIE = 1e-3  # logits: float32 sums in another order differ by far less; a real divergence by far more
+
+
+def test_plain_steps_equal_generate_on_cuda(cuda_decoder, cuda_cases):
+    for category, ids, reference in cuda_cases:
+        got = cuda_decoder.generate(ids, max_new_tokens=MAX_NEW, policy="none").token_ids
+        assert got == reference, f"plain decoding diverged from generate() on {category}"
+
+
+@pytest.mark.parametrize("policy", ["metasd-adaptive", "metasd-ucb", *(f"fixed:{d}" for d in POOL)])
+def test_greedy_output_equals_generate_on_cuda_up_to_near_ties(cuda_decoder, cuda_cases, policy):
+    model = cuda_decoder.target.model
     for category, ids, reference in cuda_cases:
         got = cuda_decoder.generate(ids, max_new_tokens=MAX_NEW, policy=policy, seed=0).token_ids
         first = next((i for i, (a, b) in enumerate(zip(got, reference, strict=False)) if a != b), None)
-        assert got == reference, f"{policy} diverged from generate() on {category} at token {first}"
+        if first is None:
+            assert got == reference
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids + reference[:first]], device="cuda")).logits[0, -1].float()
+        gap = float(logits[reference[first]] - logits[got[first]])
+        assert gap < NEAR_TIE, f"{policy} diverged from generate() on {category} at token {first} (gap {gap:.3g})"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

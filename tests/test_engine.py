@@ -243,3 +243,60 @@ def test_bad_decoder_configurations_raise_value_error(embedded):
         Decoder(drafters="ngram,ngram")
     with pytest.raises(ValueError, match="early-exit"):
         Decoder(drafters="early-exit:30")
+
+
+class SampledWithoutCache:
+    """A free drafter (no cache) that samples its tokens and reports q: the engine cuts free proposals to the
+    chosen length after seeing them, which is unbiased only for deterministic (one-hot) tokens."""
+
+    name = "sampled-free"
+    has_cache = False
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def end(self, context: list[int]) -> None:
+        pass
+
+    def propose(self, context, k, params: SamplingParams, generator) -> Draft:
+        import torch
+
+        q = torch.full((k, self.vocab_size), 1.0 / self.vocab_size)
+        return Draft([int(torch.multinomial(row, 1, generator=generator)) for row in q], q)
+
+
+@pytest.mark.parametrize("policy", ["fixed:sampled-free", "metasd-adaptive", "metasd-fi"])
+def test_a_free_drafter_that_reports_q_is_refused(embedded, policy):
+    """Whether the policy asks every free drafter for a proposal (metasd-adaptive, full information) or drafts with
+    it directly (fixed), the first proposal with q is a ValueError naming the drafter, before any token is kept."""
+    decoder = Decoder(drafters=["ngram", SampledWithoutCache(embedded.vocab_size)], draft_len=4)
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match="'sampled-free'.*q"):
+            decoder.generate("Count from one to ten.", max_new_tokens=16, policy=policy, temperature=temperature)
+
+
+def test_only_construction_extends_the_calibrated_draft_range(embedded, monkeypatch):
+    """A decoder built with metasd-adaptive:max=K calibrates T(M) up to K + 1 once, at construction; a request
+    whose policy drafts longer than that is a ValueError, never a calibration in the middle of serving."""
+    from types import SimpleNamespace
+
+    import metasd.engine
+
+    calibrated = []
+
+    def fake_calibration(spec, model, max_tokens, **kwargs):  # T(M) = T(1): no need to measure for this test
+        calibrated.append(max_tokens)
+        return SimpleNamespace(table=[1e-3] * max_tokens)
+
+    monkeypatch.setattr(metasd.engine, "load_or_calibrate", fake_calibration)
+    decoder = Decoder(drafters=["ngram", "suffix"], policy="metasd-adaptive:max=20")
+    assert calibrated[-1] == 21 and decoder.cost_model().target.max_tokens == 21
+    calibrated.clear()
+    decoder.generate("Count: 1 2 3 1 2 3", max_new_tokens=4, policy="metasd-adaptive:max=16")
+    for policy in ("metasd-adaptive:max=21", "metasd-adaptive:max=64"):
+        with pytest.raises(ValueError, match="calibrated T\\(M\\) at start for drafts of up to 20"):
+            decoder.generate("Count: 1 2 3 1 2 3", max_new_tokens=4, policy=policy)
+    assert calibrated == [] and decoder.cost_model().target.max_tokens == 21

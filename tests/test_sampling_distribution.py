@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import chi2, chi2_bound
+from helpers import chi2, chi2_bound, greedy_reference
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from metasd import Decoder
@@ -59,30 +59,32 @@ def pair(embedded, tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def exact_pairs(model: LlamaForCausalLM) -> dict[tuple[int, int], float]:
-    """The target's own distribution of (first, second) token under PARAMS, from plain forwards."""
+def exact_pairs(model: LlamaForCausalLM, process=None, prompt=PROMPT) -> dict[tuple[int, int], float]:
+    """The target's own distribution of (first, second) token under PARAMS, from plain forwards; process(ids,
+    logits), when given, changes each row of logits before PARAMS do (a logits processor of the model's own)."""
 
-    def next_row(ids: list[int]) -> torch.Tensor:
+    def next_row(context: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            ids = torch.tensor([ids], device=next(model.parameters()).device)
-            return probabilities(model(input_ids=ids).logits[0, -1:].float().cpu(), PARAMS)[0]
+            ids = torch.tensor([context], device=next(model.parameters()).device)
+            logits = model(input_ids=ids).logits[0, -1:].float().cpu()
+        return probabilities(logits if process is None else process(context, logits), PARAMS)[0]
 
-    first = next_row(PROMPT)
+    first = next_row(prompt)
     out = {}
     for x1 in first.nonzero().flatten().tolist():
-        second = next_row(PROMPT + [x1])
+        second = next_row(prompt + [x1])
         for x2 in second.nonzero().flatten().tolist():
             out[(x1, x2)] = float(first[x1]) * float(second[x2])
     return out
 
 
-def draw(decoder: Decoder) -> tuple[Counter, int, int]:
+def draw(decoder: Decoder, prompt=PROMPT) -> tuple[Counter, int, int]:
     """DRAWS generations of 3 tokens with distinct seeds: the first two come from a round that drafted 2 tokens.
     Returns the counts of (first, second) and the drafted / accepted totals."""
     counts, drafted, accepted = Counter(), 0, 0
     for seed in range(DRAWS):
         result = decoder.generate(
-            PROMPT, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed
+            prompt, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed
         )
         counts[tuple(result.token_ids[:2])] += 1
         for d in result.stats.drafters().values():
@@ -171,3 +173,75 @@ def test_a_model_draft_continued_by_a_free_drafter_keeps_the_distribution(pair, 
     assert continued == DRAWS
     stat, df = chi2(counts, exact_pairs(target), DRAWS)
     assert stat < chi2_bound(df), (stat, df)
+
+
+PENALTY = 1.3
+
+
+@pytest.fixture(scope="module")
+def penalised(embedded, tmp_path_factory):
+    """A tiny target whose own generation config sets a repetition penalty: its generate() applies it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("penalised")
+    model = _tiny(path, embedded.tokenizer, 2)
+    model.generation_config.repetition_penalty = PENALTY
+    model.generation_config.save_pretrained(path)
+    yield model, str(path)
+    torch.set_num_threads(threads)
+
+
+def _unpenalised(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """The target's greedy continuation with its repetition penalty switched off."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, repetition_penalty=1.0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_output_applies_the_targets_own_logits_processors(penalised):
+    """Greedy output equals the target's generate() with its generation config's repetition penalty, whichever
+    drafter drafts: the n-gram copy, or the target itself (its drafts are the unpenalised argmax, often rejected)."""
+    model, path = penalised
+    reference = greedy_reference(model, PROMPT, 32)
+    assert _unpenalised(model, PROMPT, 32) != reference  # the penalty changes this model's output: the test can tell
+    decoder = Decoder(target=path, drafters=["ngram", f"lm:{path}"], draft_len=3)
+    for policy in ("fixed:ngram", f"fixed:lm:{path}", "metasd-adaptive", "none"):
+        result = decoder.generate(PROMPT, max_new_tokens=32, policy=policy)
+        assert result.token_ids == reference, policy
+
+
+def test_sampled_output_applies_the_targets_own_logits_processors(penalised):
+    """Sampled output follows the penalised distribution (transformers' processor applied to each prefix, then
+    temperature, top-k and top-p), with the unpenalised target drafting: its q is not the p it is checked against.
+    The prompt ends one token before the unpenalised target would repeat a token, so that the penalty decides the
+    second token there."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    model, path = penalised
+    plain = _unpenalised(model, PROMPT, 32)
+    repeat = next(i for i, token in enumerate(plain) if token in PROMPT + plain[:i])
+    prompt = PROMPT + plain[: repeat - 1]
+    penalty = RepetitionPenaltyLogitsProcessor(PENALTY)
+    expected = exact_pairs(model, lambda ids, logits: penalty(torch.tensor([ids]), logits), prompt)
+    unpenalised = exact_pairs(model, prompt=prompt)
+    assert 2 not in {x for cell in expected for x in cell} and 2 <= len(expected) <= 200
+    decoder = Decoder(target=path, drafters=[f"lm:{path}"], policy=f"fixed:lm:{path}", draft_len=3)
+    counts, drafted, accepted = draw(decoder, prompt)
+    assert drafted >= DRAWS and 0 < accepted < drafted
+    stat, df = chi2(counts, expected, DRAWS)
+    assert stat < chi2_bound(df), (stat, df)
+    # the check has power: the same draws are far from the unpenalised distribution
+    stat, df = chi2(counts, unpenalised, DRAWS)
+    assert stat > chi2_bound(df), (stat, df)
+
+
+def test_a_target_whose_generation_config_needs_another_model_is_refused(embedded, tmp_path):
+    """Classifier-free guidance runs the model on a second, unconditional prompt: not a function of the context
+    that verification could apply, so the decoder refuses the target and says how to clear the setting."""
+    model = _tiny(tmp_path, embedded.tokenizer, 3)
+    model.generation_config.guidance_scale = 1.5
+    model.generation_config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"guidance_scale.*generation_config\.guidance_scale = None"):
+        Decoder(target=str(tmp_path), drafters=["ngram"])

@@ -15,7 +15,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix, by bisection on slice equality.
 
     List comparison runs in C, so this costs O(n log n) machine steps instead of n Python steps: contexts grow
-    to thousands of tokens and this runs for every cache every round.
+    to thousands of tokens and it is called for every cache every round.
     """
     n = min(len(a), len(b))
     if a[:n] == b[:n]:

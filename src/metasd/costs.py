@@ -1,12 +1,12 @@
 """What a round costs on this machine: the target's forward time T(M) for M new tokens, and each drafter's time.
 
-T(M) is neither linear nor monotonic in M and differs by an order of magnitude between machines (vector units,
-thread count, dtype), so it is measured, never assumed: `calibrate` times cached forwards of M = 1 .. max new tokens
-at load under each linear kernel of `linear_kernels.py` and routes each M to the faster (cached on disk per model,
-dtype, thread count and machine; `metasd calibrate` prints the table), and `TargetCost.observe` keeps refining it
-from every round's measured verification time. Drafter costs are learned online only: seconds per drafted token,
-and the time to take in unseen tokens (a model drafter's prompt on its first draft of a request, then what it
-missed while others drafted).
+T(M) is neither linear nor monotonic in M and differs widely between machines (vector units, thread count, dtype),
+so it is measured, never assumed: `calibrate` times cached forwards of M = 1 .. max new tokens at load under each
+linear kernel of `metasd.models.linear_kernels` and routes each M to the faster (cached on disk per model, dtype,
+thread count and machine; `metasd calibrate` prints the table), and `TargetCost.observe` keeps refining it from
+every round's measured verification time. Drafter costs are learned online only: seconds per drafted token, and the
+time to take in unseen tokens (a model drafter's prompt on its first draft of a request, then what it missed while
+others drafted).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import platform
 import statistics
 import time
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,58 +33,82 @@ class _Mean:
     """A running mean that turns into an exponential moving average after 1/alpha observations: early estimates
     use every sample, later ones follow drift (thermal, contention, a longer context)."""
 
-    def __init__(self, value: float | None = None, alpha: float = 0.05):
-        self.value, self.alpha, self.n = value, alpha, 0
+    def __init__(self, alpha: float = 0.05):
+        self.value: float | None = None
+        self.alpha, self.n = alpha, 0
 
     def add(self, x: float) -> None:
         self.n += 1
         if self.value is None:
             self.value = x
             return
-        x = min(x, 4 * self.value)  # one preempted round must not wreck the estimate
+        if self.value > 0:
+            x = min(x, 4 * self.value)  # one preempted round must not wreck the estimate
         self.value += max(self.alpha, 1 / self.n) * (x - self.value)
 
 
 class TargetCost:
-    """T(M): for an M measured in enough real rounds, their mean (they include the acceptance rule and logits
-    processing); otherwise the calibrated value scaled by how real plain steps (M = 1) compare with calibration.
+    """T(M): the calibrated table, scaled to the machine as it runs now and corrected per M from real rounds.
 
-    The scale comes from M = 1 alone so that it tracks the machine (load, clocks) and never absorbs a change of
-    shape: if 12-token forwards turn out dear, that must not make 1-token steps look dear too. `plain_step_due`
-    asks for an occasional plain step so that M = 1 stays measured under a policy that always drafts.
+    Two robust statistics, so that a burst of slow rounds (another process competing for the CPU) cannot drag the
+    estimates far, and they come back once the machine is quiet:
+
+    - the scale, from plain steps (M = 1) alone: the median of the recent ratios measured / calibrated T(1). It
+      tracks the machine (load, clocks) and never absorbs a change of shape: if 12-token forwards turn out dear,
+      that must not make 1-token steps look dear too;
+    - per M, once `TRUSTED` real rounds are recent enough, the median of their times (real rounds include the
+      context's attention and logits processing that calibration does not). Samples older than `MAX_AGE` rounds
+      expire, so an M that looked dear during a burst and was avoided since falls back to the scaled calibration.
+
+    `plain_step_due` asks for an occasional plain step so that M = 1 stays measured under a policy that always drafts.
     """
 
-    TRUSTED = 3  # rounds at one M before their mean replaces the calibrated value
+    TRUSTED = 3  # recent rounds at one M before their median replaces the scaled calibrated value
+    WINDOW = 9  # rounds per M behind a median: a burst shorter than half of it moves nothing
+    MAX_AGE = 200  # rounds after which an observation expires
     RECHECK = 100  # rounds after which T(1) is measured again
 
     def __init__(self, calibrated: list[float]):
         if not calibrated or any(not t > 0 for t in calibrated):
             raise ValueError("a calibration table needs positive times for M = 1 ..")
         self.calibrated = list(calibrated)
-        self._online = [_Mean() for _ in calibrated]
-        self._rounds_since_plain = self.RECHECK
+        self._recent: list[deque[tuple[int, float]]] = [deque(maxlen=self.WINDOW) for _ in calibrated]
+        self._round = 0
+        self._last_plain = -self.RECHECK
 
     @property
     def max_tokens(self) -> int:
         return len(self.calibrated)
 
+    def _fresh(self, i: int) -> list[float]:
+        return [seconds for when, seconds in self._recent[i] if self._round - when < self.MAX_AGE]
+
+    def scale(self) -> float:
+        """Measured / calibrated T(1) as the machine runs now (1 before any plain step)."""
+        plain = self._fresh(0)
+        return statistics.median(plain) / self.calibrated[0] if plain else 1.0
+
     def __call__(self, m: int) -> float:
         i = min(max(m, 1), self.max_tokens) - 1
-        online = self._online[i]
-        if online.n >= self.TRUSTED:
-            return online.value
-        plain = self._online[0]
-        scale = plain.value / self.calibrated[0] if plain.n else 1.0
-        return self.calibrated[i] * scale
+        recent = self._fresh(i)
+        if len(recent) >= self.TRUSTED:
+            return statistics.median(recent)
+        return self.calibrated[i] * self.scale()
 
     def observe(self, m: int, seconds: float) -> None:
         if not 1 <= m <= self.max_tokens or not seconds > 0:
             return
-        self._online[m - 1].add(seconds)
-        self._rounds_since_plain = 0 if m == 1 else self._rounds_since_plain + 1
+        self._round += 1
+        self._recent[m - 1].append((self._round, seconds))
+        if m == 1:
+            self._last_plain = self._round
+
+    def observations(self) -> int:
+        """Rounds observed so far."""
+        return self._round
 
     def plain_step_due(self) -> bool:
-        return self._rounds_since_plain >= self.RECHECK
+        return self._round - self._last_plain >= self.RECHECK
 
     def table(self) -> list[float]:
         return [self(m) for m in range(1, self.max_tokens + 1)]
@@ -92,8 +117,8 @@ class TargetCost:
 class _Line:
     """A least-squares line y = a + b n with a, b >= 0 over decayed observations: the time a model drafter takes to
     take in n tokens it has not seen. One forward carries them all, so a few missed tokens cost about a fixed
-    forward (a) and a prompt of hundreds costs per token (b): on the Qwen 0.5B drafter in bfloat16, ~0.9 s for a
-    709-token prompt, while the line learned over a run put 10 missed tokens at 7-13 ms (its step: ~60 ms)."""
+    forward (a), a fraction of a drafting step, while a prompt of hundreds costs per token (b) and can add up to
+    several target steps: neither a per-token rate nor a fixed cost alone prices both."""
 
     def __init__(self, decay: float = 0.98):
         self.decay = decay
@@ -137,23 +162,29 @@ class DrafterCost:
             return 0.0
         return self.catch_up(missed) if self.catch_up.measured else 0.01 * t1 * missed
 
-    def observe(self, drafted: int, missed: int, seconds: float) -> None:
-        if drafted <= 0:
+    def observe(self, forwards: int, missed: int, seconds: float) -> None:
+        """A draft that ran `forwards` forwards, the first also taking in `missed` unseen tokens, in `seconds`."""
+        if forwards <= 0:
             return
         if missed <= 1:
-            self.step.add(seconds / drafted)
+            self.step.add(seconds / forwards)
         elif self.step.value is not None:  # until a step is measured, intake and drafting cannot be told apart
-            self.catch_up.add(missed, max(seconds - drafted * self.step.value, 0.0))
+            self.catch_up.add(missed, max(seconds - forwards * self.step.value, 0.0))
+
+
+REGIMES = ("greedy", "sampled")
 
 
 class CostModel:
-    """The machine's costs, shared by every request of a Decoder: T(M), drafters, and the per-round overhead
-    (proposals, policy, bookkeeping) that a plain target step pays too."""
+    """The machine's costs, shared by every request of a Decoder: T(M) (the target's forward alone), drafters, and
+    per decoding regime the per-round overhead that a plain target step pays too: proposals, policy, bookkeeping,
+    and the acceptance rule with its logits processing (sampling sorts the vocabulary at every verified row; greedy
+    takes an argmax)."""
 
     def __init__(self, target: TargetCost):
         self.target = target
         self.drafters: dict[str, DrafterCost] = {}
-        self.overhead = _Mean(0.0)
+        self.overhead = {regime: _Mean() for regime in REGIMES}
 
     def drafter(self, name: str) -> DrafterCost:
         return self.drafters.setdefault(name, DrafterCost())

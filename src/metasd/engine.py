@@ -1,4 +1,4 @@
-"""The decoder: a target, a pool of drafters and a policy that picks one drafter per round.
+"""The decoder: a target, a pool of drafters and a policy that picks one drafter per round (MetaSD, arXiv 2604.05417).
 
 One round: select a drafter -> it proposes up to k tokens -> one target forward over them -> the acceptance rule
 keeps a prefix and adds the target's own token -> the policy is rewarded. That is `Generation._round`; everything
@@ -25,6 +25,7 @@ from .outcome import Extension, RoundOutcome
 from .policy import DEFAULT_POLICY, Policy, build_policy, canonical_policy
 from .policy.adaptive import DEFAULTS as ADAPTIVE_DEFAULTS
 from .policy.adaptive import AdaptivePolicy
+from .processors import process, target_processors
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats, Round
 from .verify import verify_greedy, verify_sampling
@@ -64,6 +65,7 @@ class Decoder:
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
         self.target: LoadedModel = load_model(target, dtype, device)
+        target_processors(self.target.model, 1, 1, self.target.spec)  # refuse what its generate does unlike us
         self.tokenizer = self.target.tokenizer
         self.drafters: dict[str, Drafter] = {}
         for item in parse_drafters(drafters) if isinstance(drafters, str) else drafters:
@@ -82,7 +84,9 @@ class Decoder:
         # calibrate now whatever the policy: it also picks the target's linear kernels, and every request (plain
         # decoding and Hugging Face's generate included) must run on the kernels it will run on later
         self.cost_model(ADAPTIVE_DEFAULTS["max"] + 1)
-        self._policy(policy, list(self.drafters))  # fail now, not at the first request
+        # fail now, not at the first request; the one place a policy may extend the calibrated range (T(M) up to
+        # its max + 1): requests never calibrate (see _policy)
+        self._policy(policy, list(self.drafters), calibrate=True)
 
     @property
     def drafter_names(self) -> list[str]:
@@ -135,7 +139,9 @@ class Decoder:
         if unknown:
             raise ValueError(f"drafters {unknown} are not in the loaded pool {self.drafter_names}")
         pool = [self.drafters[n] for n in names]
-        return Generation(self, ids, max_new_tokens, params, self._policy(policy or self.default_policy, names), pool)
+        regime = "greedy" if params.greedy else "sampled"
+        chosen = self._policy(policy or self.default_policy, names, regime)
+        return Generation(self, ids, max_new_tokens, params, chosen, pool)
 
     def generate(self, prompt: Prompt, **options) -> GenerationResult:
         """Decode to the end. Options are those of `stream`."""
@@ -174,15 +180,30 @@ class Decoder:
             if key in self._policies:
                 vars(self._policies[key]).update(copy.deepcopy(state))
 
-    def _policy(self, name: str, names: list[str]) -> Policy | None:
+    def _policy(self, name: str, names: list[str], regime: str = "greedy", calibrate: bool = False) -> Policy | None:
         """Request scope: a fresh bandit each request (metasd-adaptive is kept: its reset() starts a request from
-        what earlier ones learned). Server scope: one policy per (policy, pool) that keeps learning."""
-        key = (canonical_policy(name, names), tuple(names))
+        what earlier ones learned). Server scope: one policy per (policy, pool, regime) that keeps learning. Greedy
+        and sampled requests never share one: acceptance rates and confidence levels mean different things in each,
+        and their rounds cost differently.
+
+        calibrate: may extend the calibrated T(M) to a metasd-adaptive policy's longest draft (construction only).
+        Otherwise a policy drafting longer than the range calibrated at construction is a ValueError: a request
+        must never calibrate (seconds in the serving thread, kernels re-routed under everyone, the online T(M)
+        estimates dropped); `cost_model(max + 1)` extends the range explicitly, between requests."""
+        key = (canonical_policy(name, names), tuple(names), regime)
         if key in self._policies:
             self._policies.move_to_end(key)
             return self._policies[key]
         policy = build_policy(name, names, self.seed)
         if isinstance(policy, AdaptivePolicy):
+            calibrated = self.cost_model().target.max_tokens
+            if not calibrate and policy.max_draft + 1 > calibrated:
+                raise ValueError(
+                    f"policy {name!r} drafts up to {policy.max_draft} tokens, but this decoder calibrated T(M) at "
+                    f"start for drafts of up to {calibrated - 1}; requests never calibrate: start it with --policy "
+                    f"metasd-adaptive:max={policy.max_draft} (library: that policy in Decoder(...), or "
+                    f"Decoder.cost_model({policy.max_draft + 1}) between requests)"
+                )
             costs = self.cost_model(policy.max_draft + 1)
             pool = [self.drafters[n] for n in names]
             policy.attach(
@@ -190,6 +211,7 @@ class Decoder:
                 names,
                 [not d.has_cache for d in pool],
                 [d.has_cache and isinstance(d, StoppableDrafter) for d in pool],
+                regime,
             )
         if self.policy_scope == "server" or isinstance(policy, AdaptivePolicy):
             self._policies[key] = policy
@@ -221,6 +243,8 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.max_draft = (policy.max_draft if policy is not None else None) or decoder.draft_len
         self._drafted: set[str] = set()  # drafters that drafted in this request (their caches hold the prompt)
+        # the logits processors the target's generation config makes its own generate() apply (None: none)
+        self.processors = target_processors(decoder.target.model, len(prompt), max_new_tokens, decoder.target.spec)
         self._iter = self._rounds()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -264,82 +288,91 @@ class Generation:
 
     def _round(self, context: list[int], generator: torch.Generator, synced: dict[str, int]) -> list[int]:
         """Choose, draft, verify, learn: extends context by the tokens this round adds, and returns them."""
-        dec, params, policy = self.decoder, self.params, self.policy
-        t0 = time.perf_counter()
+        dec, params, policy, costs = self.decoder, self.params, self.policy, self.decoder._costs
+        started = time.perf_counter()
         remaining = self.max_new_tokens - len(self.token_ids)
         limit = min(self.max_draft, remaining - 1)
         # tokens each model drafter must take in before drafting: the prompt on its first draft, then what it missed
         lags = [len(context) - synced[d.name] if d.has_cache else 0 for d in self.pool]
         fresh = [d.has_cache and d.name not in self._drafted for d in self.pool]
         proposals, proposal_times = self._proposals(context, limit) if policy and policy.wants_proposals else ({}, {})
-        arm, k = (
-            policy.choose(limit, proposals, lags, remaining=remaining, fresh=fresh)
-            if policy is not None and limit > 0
-            else (None, 0)
-        )
-        t1 = time.perf_counter()
+        arm, k = (None, 0)
+        if policy is not None and limit > 0:
+            arm, k = policy.choose(limit, proposals, lags, remaining=remaining, fresh=fresh)
+        chosen = time.perf_counter()
         draft = self._draft(arm, k, context, proposals, generator)
-        t2 = time.perf_counter()
+        drafted = time.perf_counter()
         draft, extension = self._continue(arm, draft, context, limit)
-        t3 = time.perf_counter()
+        verifying = time.perf_counter()
         fed = dec._lm.fed_tokens
         logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
-        in_sync = dec._lm.fed_tokens - fed == len(draft.tokens) + 1  # not the prompt's prefill: that is no T(M)
+        forwarded = time.perf_counter()
+        if self.processors is not None:  # row j as generate processes it after context + draft[:j]
+            logits = process(self.processors, logits, context, draft.tokens)
+        prefilled = dec._lm.fed_tokens - fed > len(draft.tokens) + 1  # the prompt's prefill rode along: no T(M)
         p = None if params.greedy else probabilities(logits, params)
         verdict = (
             verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens, generator)
         )
-        t4 = time.perf_counter()
+        verified = time.perf_counter()
         new = self._emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
         start = len(context)
         context += new
         self.token_ids += new
-        costs = dec._costs
-        draft_time = proposal_times.get(arm, 0.0) + (t2 - t1)
+        drafter = self.pool[arm] if arm is not None else None
+        draft_time = proposal_times.get(arm, 0.0) + (drafted - chosen)
+        verify_time = verified - verifying
+        # The rewards see what a round costs in steady state: no prompt prefill, the target's or the drafter's
+        # (a fresh drafter's first draft takes in the prompt), just as T(M) and the step costs leave them out.
+        reward_draft_time, reward_verify_time = draft_time, verify_time
+        if costs is not None and prefilled:
+            reward_verify_time = costs.target(len(draft.tokens) + 1) + (verified - forwarded)
+        if costs is not None and drafter is not None and fresh[arm]:
+            reward_draft_time = draft.forwards * costs.drafter(drafter.name).step_time(costs.target(1))
         outcome = RoundOutcome(
-            arm,
-            k,
-            draft,
-            verdict.accepted,
-            start,
-            context,
-            p,
-            verdict.target_tokens,
-            proposals,
-            draft_time,
-            t4 - t3,
-            costs.target(1) if costs else 0.0,
-            extension,
+            arm=arm,
+            k=k,
+            draft=draft,
+            accepted=verdict.accepted,
+            start=start,
+            context=context,
+            p=p,
+            target_tokens=verdict.target_tokens,
+            proposals=proposals,
+            draft_time=reward_draft_time,
+            verify_time=reward_verify_time,
+            plain_step_time=costs.target(1) if costs else 0.0,
+            extension=extension,
         )
         score = policy.feedback(outcome) if policy is not None else None
-        drafter = self.pool[arm] if arm is not None else None
         taken_in = lags[arm] if arm is not None else 0
         missed = taken_in - len(self.prompt) if arm is not None and fresh[arm] else taken_in  # the prompt is no miss
-        if drafter:  # its cache took in the context up to its last drafted token, not a continuation after it
-            synced[drafter.name] = min(len(context), start + outcome.own + 1)
+        if drafter and drafter.has_cache:  # its cache holds the context it drafted from and forwards - 1 of its
+            # tokens; what of those the round accepted it need not take in again
+            synced[drafter.name] = start + min(max(draft.forwards - 1, 0), verdict.accepted)
             self._drafted.add(drafter.name)
-        t5 = time.perf_counter()
+        finished = time.perf_counter()
         if costs is not None:  # the machine's costs, whatever the policy: every round is a measurement (but prefills)
-            if in_sync:
-                costs.target.observe(len(draft.tokens) + 1, t4 - t3)
+            if not prefilled:
+                costs.target.observe(len(draft.tokens) + 1, forwarded - verifying)
             if drafter and arm not in proposals:
-                costs.drafter(drafter.name).observe(outcome.own, taken_in, t2 - t1)
-            costs.overhead.add(max(t5 - t0 - (t2 - t1) - (t4 - t3), 0.0))
-        continued_by = self.pool[extension.arm].name if extension and extension.arm is not None else None
+                costs.drafter(drafter.name).observe(draft.forwards, taken_in, drafted - chosen)
+            regime = "greedy" if params.greedy else "sampled"
+            costs.overhead[regime].add(max((finished - started) - (drafted - chosen) - (forwarded - verifying), 0.0))
         self.stats.rounds.append(
             Round(
-                drafter.name if drafter else None,
-                len(draft.tokens),
-                min(verdict.accepted, len(new)),
-                score,
-                missed,
-                draft_time,
-                t4 - t3,
-                (t5 - t0) - draft_time - (t4 - t3),
-                len(new),
-                k,
-                len(draft.tokens) - outcome.own,
-                continued_by,
+                drafter=drafter.name if drafter else None,
+                drafted=len(draft.tokens),
+                accepted=min(verdict.accepted, len(new)),
+                reward=score,
+                catch_up=missed,
+                draft_time=draft_time,
+                verify_time=verify_time,
+                policy_time=(finished - started) - draft_time - verify_time,
+                emitted=len(new),
+                chosen_k=k,
+                extended=len(draft.tokens) - outcome.own,
+                continued_by=self.pool[extension.arm].name if extension and extension.arm is not None else None,
             )
         )
         return new
@@ -352,7 +385,7 @@ class Generation:
         for arm, drafter in enumerate(self.pool):
             if not drafter.has_cache:
                 start = time.perf_counter()
-                drafts[arm] = drafter.propose(context, k, self.params, None)
+                drafts[arm] = _deterministic(drafter, drafter.propose(context, k, self.params, None))
                 times[arm] = time.perf_counter() - start
         return drafts, times
 
@@ -366,8 +399,10 @@ class Generation:
         drafter = self.pool[arm]
         stop = self.policy.stop_rule(arm, k)
         if stop is not None and isinstance(drafter, StoppableDrafter):
-            return drafter.propose_until(context, k, self.params, generator, stop)
-        return drafter.propose(context, k, self.params, generator)
+            draft = drafter.propose_until(context, k, self.params, generator, stop)
+        else:
+            draft = drafter.propose(context, k, self.params, generator)
+        return draft if drafter.has_cache else _deterministic(drafter, draft)
 
     def _continue(
         self, arm: int | None, draft: Draft, context: list[int], limit: int
@@ -400,3 +435,15 @@ class Generation:
             self.finish_reason = "stop"
             return new[: stop + 1]
         return new
+
+
+def _deterministic(drafter: Drafter, draft: Draft) -> Draft:
+    """A free drafter's draft, checked one-hot: the engine cuts free proposals to the chosen length and continues
+    model drafts with them after seeing their tokens, which biases sampling unless the tokens are deterministic."""
+    if draft.q is not None:
+        raise ValueError(
+            f"drafter {drafter.name!r} has no cache (a free drafter) but returned q: a free drafter's proposals must "
+            "be deterministic (Draft.q None), as they are cut and appended after their tokens are seen; give it "
+            "has_cache = True to have its sampled drafts verified whole"
+        )
+    return draft

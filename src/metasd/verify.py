@@ -1,9 +1,10 @@
 """The acceptance rule: which drafted tokens the target keeps, and the one token it adds itself.
 
 Greedy: the longest prefix equal to the target's argmax, then the target's argmax after it.
-Sampling (Leviathan et al. 2023; Chen et al. 2023): accept token x_j with probability min(1, p_j(x)/q_j(x)); at the
-first rejection sample from norm(max(0, p_j - q_j)); if all k are accepted, sample the bonus token from p_k.
-Either way the output has exactly the target's distribution. A drafter without q is one-hot (q(x) = 1).
+Sampling: speculative sampling (Leviathan, Kalman & Matias 2023, arXiv 2211.17192; Chen et al. 2023, arXiv
+2302.01318): accept token x_j with probability min(1, p_j(x)/q_j(x)); at the first rejection sample from
+norm(max(0, p_j - q_j)); if all k are accepted, sample the bonus token from p_k. Either way the output has exactly
+the target's distribution. A drafter without q is one-hot (q(x) = 1).
 """
 
 from __future__ import annotations

@@ -115,3 +115,53 @@ def test_torch_mode_keeps_torch_linear_everywhere(embedded):
     finally:
         if before is not None:
             install(embedded.model, before)
+
+
+MIXED = ["linear", "weight-major", "weight-major"]  # as calibration may route: M = 1 and M >= 4 torch's own
+
+
+def _divergence(model, ids: list[int], reference: list[int], got: list[int]) -> str:
+    """Where `got` leaves the reference, and the unrouted target's logit margin there (reference token's logit minus
+    the other's): a last-bits difference can flip only a near-tie."""
+    i = next((j for j, (a, b) in enumerate(zip(reference, got, strict=False)) if a != b), None)
+    if i is None:
+        return f"same first {min(len(reference), len(got))} tokens, lengths {len(reference)} and {len(got)}"
+    install(model, ["linear"] * len(MIXED))
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids + reference[:i]], device=model.device)).logits[0, -1].float()
+    margin = float(logits[reference[i]] - logits[got[i]])
+    return f"new token {i}: reference {reference[i]}, got {got[i]}, unrouted logit margin {margin:.3g}"
+
+
+def test_decoding_on_a_mixed_routing_matches_the_unrouted_target(embedded, questions_path, monkeypatch):
+    """Calibration routes each row count to its own kernel, so a verification forward over 2 or 3 tokens can run
+    weight-major while the target's own step (M = 1) and the prefill run torch's F.linear: the output must still be
+    the unrouted target's greedy output (its reference computed with F.linear for every M, as before any install)."""
+    import metasd.models.linear_kernels as lk
+
+    decoder = Decoder(drafters=["ngram", "lm:embedded:unquantized"], policy="fixed:ngram", draft_len=2)
+    model = decoder.target.model
+    chosen = installed(model)
+    questions = [json.loads(line) for line in questions_path.read_text().splitlines()]
+    weight_major_rows = []
+    real = lk._weight_major
+    monkeypatch.setattr(lk, "_weight_major", lambda x, *a: weight_major_rows.append(x.shape[-2]) or real(x, *a))
+    try:
+        cases = []
+        for category in ("writing", "coding", "summarization"):
+            ids = decoder.encode(next(q for q in questions if q["category"] == category)["turns"][0])
+            install(model, ["linear"] * len(chosen))  # F.linear for every M: bit for bit an unrouted nn.Linear
+            cases.append((category, ids, greedy_reference(model, ids, 32)))
+        mismatches = []
+        for category, ids, reference in cases:
+            # the n-gram copy: M = 1 to 3 as its matches come; the target itself (drafting on M = 1): M = 3 every
+            # round; metasd-adaptive: lengths by cost, M = 4 and more too
+            for policy in ("fixed:ngram", "fixed:lm:embedded:unquantized", "metasd-adaptive"):
+                install(model, MIXED)
+                got = decoder.generate(ids, max_new_tokens=32, policy=policy).token_ids
+                if got != reference:
+                    mismatches.append(f"{category} / {policy}: {_divergence(model, ids, reference, got)}")
+        assert {2, 3} <= set(weight_major_rows) <= {2, 3}  # the mixed routing was exercised, and only for M = 2..3
+        assert not mismatches, "\n".join(mismatches)
+    finally:
+        install(model, chosen)

@@ -483,29 +483,16 @@ def test_calibration_cache_round_trip_and_corrupt_or_foreign_files(tiny_model, t
         assert any("ignoring the calibration cache" in str(w.message) for w in caught)
 
 
-def test_target_cost_refines_online():
-    cost = TargetCost([0.01, 0.01, 0.01])
-    assert cost.plain_step_due()
-    for _ in range(5):
-        cost.observe(2, 0.05)
-    assert cost(2) == pytest.approx(0.05, rel=0.3)
-    assert cost(3) == pytest.approx(0.01)  # a dear M = 2 says nothing of the machine's speed
-    cost.observe(1, 0.02)
-    assert cost(3) == pytest.approx(0.02) and not cost.plain_step_due()  # a slower plain step does
-    with pytest.raises(ValueError):
-        TargetCost([0.01, 0.0])
-
-
 def test_prefills_are_not_taken_for_forward_costs(embedded):
     """The first round of a request also prefills the prompt (and a model drafter's first draft its own copy of
     it): hundreds of tokens. Counted as T(M) or as a drafter's step time, they made drafting look several times
     dearer than it is."""
     decoder = Decoder(drafters=["ngram", "early-exit:4"], policy="fixed:early-exit:4", draft_len=2)
     costs = decoder.cost_model()
-    before = [m.n for m in costs.target._online]
+    before = costs.target.observations()
     prompt = "Summarize: " + " ".join(f"item {i} is on the shelf." for i in range(60))
     result = decoder.generate(prompt, max_new_tokens=12)
-    observed = sum(m.n for m in costs.target._online) - sum(before)
+    observed = costs.target.observations() - before
     assert observed == len(result.stats.rounds) - 1  # every round but the one that prefilled the prompt
     step = costs.drafter("early-exit:4").step
     assert step.n == sum(r.drafter is not None for r in result.stats.rounds) - 1

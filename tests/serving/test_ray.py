@@ -131,7 +131,7 @@ def test_policy_sync_shares_statistics_between_replicas() -> None:
     ((key, policy_a),) = learned.items()
     assert sum(policy_a.state()["pulls"]) > 0
     sync_a.sync()
-    sync_b.sync()  # b had never served this policy: it is created from the pooled statistics
+    sync_b.sync()  # b had never served with this policy (made at construction): it adopts the pooled statistics
     policy_b = b._policies[key]
     assert policy_b.state() == policy_a.state()
     b.generate("Count: 1 2 3 1 2 3 1 2 3", max_new_tokens=12)
@@ -141,6 +141,154 @@ def test_policy_sync_shares_statistics_between_replicas() -> None:
     assert policy_a.state()["pulls"] == policy_b.state()["pulls"] == total["pulls"]
     assert policy_a.state()["rounds"] == total["rounds"]
     assert policy_a.mean_rewards == pytest.approx(policy_b.mean_rewards)
+
+
+def _ucb(policy_scope: str = "server"):
+    from metasd.engine import Decoder
+
+    return Decoder(drafters="ngram,suffix", policy="metasd-ucb", policy_scope=policy_scope)
+
+
+def _counts(policy) -> tuple[list[int], int]:
+    state = policy.state()
+    return state["pulls"], state["rounds"]
+
+
+def _plus(*counts: tuple[list[int], int]) -> tuple[list[int], int]:
+    return [sum(arm) for arm in zip(*(c[0] for c in counts), strict=True)], sum(c[1] for c in counts)
+
+
+def _minus(a: tuple[list[int], int], b: tuple[list[int], int]) -> tuple[list[int], int]:
+    return [x - y for x, y in zip(a[0], b[0], strict=True)], a[1] - b[1]
+
+
+def test_a_policy_evicted_and_made_again_never_lowers_the_pool(monkeypatch) -> None:
+    """The decoder's policy cache evicts a key; a request makes its policy again, from zero, and learns less than
+    the pool held before the next sync: that must add to the pool, not push a negative difference."""
+    import metasd.engine
+    from metasd.serving.ray_replicas import PolicyHub, PolicySync
+
+    hub = PolicyHub()
+    a = _ucb()
+    sync = PolicySync(a, hub.merge, 0.0)
+    a.generate("Repeat: one two three one two three one two three", max_new_tokens=24)
+    ((key, first),) = a._policies.items()
+    sync.sync()
+    pooled = _counts(first)
+    monkeypatch.setattr(metasd.engine, "_POLICY_CACHE", 1)
+    a.generate("Count: 1 2 3 1 2 3", max_new_tokens=4, policy="metasd-ucb:0.5")  # evicts `key`
+    assert key not in a._policies
+    a.generate("Count: 1 2 3 1 2 3", max_new_tokens=4)  # made again from zero
+    again = a._policies[key]
+    assert again is not first and sum(_counts(again)[0]) < sum(pooled[0])
+    learned = _counts(again)
+    sync.sync()
+    total = hub.totals[key]
+    assert (total["pulls"], total["rounds"]) == _plus(pooled, learned)
+    assert _counts(again) == _plus(pooled, learned)  # and the new policy adopted the pool
+
+
+def test_the_hub_refuses_statistics_that_would_lower_a_count() -> None:
+    from metasd.serving.ray_replicas import PolicyHub
+
+    hub = PolicyHub()
+    key = ("metasd-ucb:1.0", ("ngram", "suffix"), "greedy")
+    hub.merge("r1", {key: {"policy": 0, "pulls": [3, 2], "sums": [1.5, 1.0], "rounds": 5}})
+    for pulls, rounds in (([1, 2], 5), ([3, 2], 4)):  # the same policy again, with fewer pulls or rounds
+        reply = hub.merge("r1", {key: {"policy": 0, "pulls": pulls, "sums": [0.5, 1.0], "rounds": rounds}})
+        assert reply["totals"][key]["pulls"] == [3, 2] and reply["totals"][key]["rounds"] == 5
+    hub.merge("r2", {key: {"policy": 0, "pulls": [-1, 0], "sums": [0.0, 0.0], "rounds": 0}})  # negative
+    assert hub.totals[key]["pulls"] == [3, 2] and hub.refused == 3
+
+
+def test_the_hub_is_bounded_and_answers_only_the_keys_pushed() -> None:
+    from metasd.serving.ray_replicas import PolicyHub
+
+    hub = PolicyHub(max_keys=4)
+    for i in range(10):
+        key = (f"metasd-ucb:{i}.0", ("ngram", "suffix"), "greedy")
+        reply = hub.merge(f"r{i}", {key: {"policy": 0, "pulls": [1, 1], "sums": [0.5, 0.5], "rounds": 2}})
+        assert list(reply["totals"]) == [key]
+    assert len(hub.totals) == 4 and ("metasd-ucb:9.0", ("ngram", "suffix"), "greedy") in hub.totals
+
+
+def test_a_replica_adopts_only_the_keys_it_holds() -> None:
+    """Another replica's policies are not made here (each sync would otherwise make, and evict, every key the
+    hub ever saw); the key this replica holds gets the pool."""
+    from metasd.engine import Decoder
+    from metasd.serving.ray_replicas import PolicyHub, PolicySync
+
+    hub = PolicyHub()
+    a = _ucb()
+    b = Decoder(drafters="ngram,suffix", policy="metasd-fi", policy_scope="server")
+    sync_a, sync_b = PolicySync(a, hub.merge, 0.0), PolicySync(b, hub.merge, 0.0)
+    a.generate("Repeat: one two three one two three", max_new_tokens=8)
+    b.generate("Count: 1 2 3 1 2 3", max_new_tokens=8, policy="metasd-ucb", temperature=0.5, seed=0)
+    held = list(b._policies)
+    sync_a.sync()
+    sync_b.sync()
+    assert list(b._policies) == held  # a's greedy metasd-ucb key is not made in b
+    ((key, policy_a),) = a._policies.items()
+    assert key not in b._policies and sum(policy_a.state()["pulls"]) > 0
+
+
+def test_a_restarted_hub_counts_each_replicas_learning_exactly_once() -> None:
+    """Replicas pushed to a hub that then restarted empty: the new hub must be rebuilt from what each replica learned
+    itself, each counted once (not deltas against a lost base, nor every replica's copy of the old pool), and every
+    replica adopts the new hub's totals."""
+    from metasd.serving.ray_replicas import PolicyHub, PolicySync
+
+    hubs = [PolicyHub()]
+
+    def merge(*args):
+        return hubs[-1].merge(*args)
+
+    a, b = _ucb(), _ucb()
+    sync_a, sync_b = PolicySync(a, merge, 0.0), PolicySync(b, merge, 0.0)
+    ((key, policy_a),) = a._policies.items()
+    policy_b = b._policies[key]
+    a.generate("Repeat: one two three one two three one two three", max_new_tokens=16)
+    own_a = _counts(policy_a)
+    sync_a.sync()
+    sync_b.sync()
+    before = _counts(policy_b)
+    b.generate("Count: 1 2 3 1 2 3 1 2 3", max_new_tokens=16)
+    own_b = _minus(_counts(policy_b), before)
+    sync_b.sync()
+    sync_a.sync()
+    assert _counts(policy_a) == _counts(policy_b) == _plus(own_a, own_b)
+
+    hubs.append(PolicyHub())  # the hub restarted: empty
+    before = _counts(policy_a)
+    a.generate("Spell: a b c a b c a b c", max_new_tokens=8)
+    more_a = _minus(_counts(policy_a), before)
+    for sync in (sync_a, sync_b, sync_a, sync_b):
+        sync.sync()
+    total = hubs[-1].totals[key]
+    assert (total["pulls"], total["rounds"]) == _plus(own_a, own_b, more_a)
+    assert _counts(policy_a) == _counts(policy_b) == _plus(own_a, own_b, more_a)
+    assert sync_a.epoch == sync_b.epoch == hubs[-1].epoch != hubs[0].epoch
+
+
+def test_an_unresponsive_hub_costs_a_request_the_sync_timeout_at_most(local_ray) -> None:
+    from metasd.serving.ray_replicas import PolicySync, remote_merge
+
+    @ray.remote(num_cpus=0)
+    class StuckHub:
+        def merge(self, replica, pushed):
+            time.sleep(60)
+
+    hub = StuckHub.remote()
+    a = _ucb()
+    a.generate("Repeat: one two three one two three", max_new_tokens=8)
+    ((key, policy),) = a._policies.items()
+    learned = policy.state()
+    sync = PolicySync(a, remote_merge(hub, timeout_s=0.5), 0.0)
+    start = time.monotonic()
+    sync.maybe_sync()  # logs the timeout and serves on
+    assert time.monotonic() - start < 5
+    assert sync.syncs == 0 and policy.state() == learned and a._policies[key] is policy
+    ray.kill(hub)
 
 
 def _free_port() -> int:

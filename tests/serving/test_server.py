@@ -630,3 +630,65 @@ def test_incremental_text_equals_a_whole_decode(embedded):
             assert "\ufffd" not in partial
             assert tok.decode(ids[:n], skip_special_tokens=True).startswith(partial)
         assert detok.finish(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_a_request_never_calibrates_beyond_the_range_calibrated_at_start(server, monkeypatch):
+    """metasd-adaptive:max=K past what the server calibrated at start is a fast 400: a request must never
+    recalibrate T(M) in the one decoding thread (seconds for everyone queued, kernels re-routed for all, the online
+    T(M) estimates dropped). A shorter max is served without calibrating."""
+    import metasd.engine
+    from metasd.policy.adaptive import DEFAULTS
+
+    calibrated = []
+
+    def no_calibration(spec, model, max_tokens, **kwargs):
+        calibrated.append(max_tokens)
+        raise AssertionError("a request calibrated T(M)")
+
+    monkeypatch.setattr(metasd.engine, "load_or_calibrate", no_calibration)
+    for policy in ("metasd-adaptive:max=64", f"metasd-adaptive:max={DEFAULTS['max'] + 1}"):
+        body = {"prompt": "hi", "max_tokens": 2, "metasd_policy": policy}
+        r, took = timed_post(server, "/v1/completions", json=body)
+        assert r.status_code == 400 and took < 5, (policy, r.text)
+        assert "calibrated" in r.json()["error"]["message"], r.text
+    body = {"prompt": "hi", "max_tokens": 2, "metasd_policy": "metasd-adaptive:max=4"}
+    assert timed_post(server, "/v1/completions", json=body)[0].status_code == 200
+    assert calibrated == []
+
+
+class _Killed(BaseException):
+    """What the worker's `except Exception` lets through (as a fatal error in native code would kill it)."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_decoding_thread_answers_503_at_once_and_fails_queued_requests(embedded):
+    app = create_app(Decoder(drafters=POOL), max_queue=4)
+    entered, release = threading.Event(), threading.Event()
+
+    def dies(job) -> None:
+        entered.set()
+        release.wait(30)
+        raise _Killed("the decoding thread dies")
+
+    app.state.engine._serve = dies
+    body = {"prompt": PROMPT, "max_tokens": 4}
+    with running(app) as url, ThreadPoolExecutor(2) as pool:
+
+        def post() -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=15)
+
+        serving = pool.submit(post)
+        assert entered.wait(30)
+        queued = pool.submit(post)
+        deadline = time.monotonic() + 15
+        while httpx.get(f"{url}/health", timeout=5).json()["waiting"] < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.05)
+        release.set()
+        for future in (serving, queued):  # the one it was serving and the one queued behind it: not left hanging
+            r = future.result(timeout=30)
+            assert r.status_code == 503 and "decoding thread" in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        start = time.monotonic()
+        r = post()
+        assert r.status_code == 503 and time.monotonic() - start < 5, r.text

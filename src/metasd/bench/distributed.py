@@ -1,19 +1,18 @@
 """`metasd bench --ray`: the benchmark sharded over Ray workers, and `--resume` from per-question results.
 
 Each worker (`QuestionBench`, one Ray actor) loads the models once, warms every method up, then measures whole
-questions: `ar` first, the oracle table, then every other method in the order `run_bench` uses for that question
-(rotated by the question's index in the run), so each speed ratio is still measured side by side on one machine. The
-driver hands out one question at a time, writes each finished question to `OUT/partial/q<ID>.pkl` at once, and merges
-the per-question records into the same summary.json, report.md, plots and answer files as a one-machine run
-(Spec-Bench's speedup is a mean over questions, so the merge is exact). A worker that dies loses only the question it
-was measuring: that question goes to another worker once more, and the retry is reported; a question that fails twice
-fails the run (after the others finish, with their results kept for `--resume`).
+questions: `ar` first, the oracle table, then every other method in the order `run_bench` uses for that question,
+so each speed ratio is still measured side by side on one machine. The driver hands out one question at a time,
+writes each finished one to `OUT/partial/q<ID>.pkl` at once, and merges the records into the same outputs as a
+one-machine run (Spec-Bench's speedup is a mean over questions, so the merge is exact). A question lost with its
+worker goes to another worker once (the retry is reported); one that fails twice fails the run, after the others
+finish, with their results kept for `--resume`.
 
 Cross-request drafter state (the `suffix` drafter's history of earlier `ar` answers, `--policy-scope server`) is per
-worker: a worker's question starts from the answers of the questions that worker measured before, not of every
-earlier question. Outputs are lossless either way; only the speed of history-using drafters can differ from a
-one-process run. The in-process `--resume` path (no `--ray`) replays finished questions' `ar` answers into the
-history, so it measures exactly what `run_bench` measures.
+worker: a question starts from the answers of the questions its worker measured before, not of every earlier one.
+Outputs are lossless either way; only the speed of history-using drafters can differ from a one-process run. The
+in-process `--resume` path (no `--ray`) replays finished questions' `ar` answers into the history, so it measures
+exactly what `run_bench` measures.
 """
 
 from __future__ import annotations
@@ -125,6 +124,7 @@ class QuestionBench:
             self.assistant = decoder.drafters[lm_drafters(names)[0]].model  # as loaded
         self.choices: dict[int, list] = {}
         self.oracle_k = longest_draft(self.methods, cfg.draft_len)
+        decoder.cost_model(self.oracle_k + 1)  # now, for every method: requests never extend the calibrated T(M)
         self.history = DrafterHistory(decoder.drafters)
         self.timed = [m for m in self.methods if m not in DERIVED]
         self.others = [m for m in self.timed if m != "ar"]

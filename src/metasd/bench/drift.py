@@ -1,21 +1,17 @@
 """The drift workload of `metasd bench --drift`: requests that change task midway, and what the report shows of them.
 
-MetaSD's case for a bandit over a router is drift within a request: a static choice commits to one drafter for the
-whole request, a bandit can switch when the text changes character. Each drift request is one user turn built from
-two Spec-Bench questions of different groups, "answer request 1, then request 2":
+MetaSD's case (arXiv 2604.05417) for a bandit over a router is drift within a request: a static choice commits to one
+drafter for the whole request, a bandit can switch when the text changes character. Each drift request is one user
+turn built from two Spec-Bench questions of different groups, "answer request 1, then request 2":
 
 - `drift-copy-math`: 1 is a summarization or RAG question (its answer copies the context: prompt lookup shines),
-  2 a math_reasoning question (no copying).
-- `drift-copy-code`: 1 as above, 2 an MT-bench coding question (turn 1).
-- `drift-translation`: two translation directions, German→English then English→German (the paper's two-language
-  case). Spec-Bench only holds German→English questions, so the English→German source is the first sentence of a
-  summarization article; there is no reference translation, none is needed to measure speed.
+  2 a math_reasoning question (no copying); `drift-copy-code`: 1 as above, 2 an MT-bench coding question (turn 1).
+- `drift-translation`: German→English then English→German (the paper's two-language case). Spec-Bench only holds
+  German→English questions, so the English→German source is the first sentence of a summarization article.
 
-Construction is deterministic from `--seed` (Python's `random.Random` seeded with a string is stable across runs
-and platforms). The model is asked to start its second answer with a marker line (`## Answer 2`); the boundary
-is the output token where the marker starts in `ar`'s output (greedy outputs are identical across methods), None
-when the model never wrote it (small models often ignore the format: the request then still carries both tasks,
-but where the output switches is unknown).
+The model is asked to start its second answer with a marker line (`## Answer 2`); the boundary is the output token
+where the marker starts in `ar`'s output (greedy outputs are identical across methods), None when the model never
+wrote it (small models often ignore the format; the request still carries both tasks, but where it switches is unknown).
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ MARKER = "## Answer 2"
 KINDS = ("drift-copy-math", "drift-copy-code", "drift-translation")
 COPY = ("summarization", "rag")
 _ID_BASE = 1_000_000  # drift request ids: KIND_INDEX * 10_000 + n + this, far from Spec-Bench's 1..480
-# The drift methods when --methods is not given: the baselines and oracles the issue's table needs, the paper's
-# UCB, UCB at the drifting policies' beta (the control that isolates forgetting), and the forgetting bandits.
+# The drift methods when --methods is not given: the baselines and oracles the drift report compares with, the
+# paper's UCB, UCB at the drifting policies' beta (the control that isolates forgetting), and the forgetting bandits.
 METHODS = (
     "ar",
     "oracle-round",
@@ -86,7 +82,9 @@ def _first_sentence(article: str) -> str:
 def drift_requests(
     questions: list[Question], seed: int = 0, per_kind: int | None = 3, kinds: Sequence[str] | None = None
 ) -> list[DriftRequest]:
-    """`per_kind` requests of each kind (None: 3), the same for the same seed and question file."""
+    """`per_kind` requests of each kind (None: 3), the same for the same seed and question file: Python's
+    `random.Random` seeded with a string is stable across runs and platforms. An English→German request has no
+    reference translation; none is needed to measure speed."""
     kinds = list(KINDS) if kinds is None else list(kinds)
     for kind in kinds:
         if kind not in KINDS:

@@ -215,7 +215,7 @@ def turn_oracle(
     and refined so far, and the per-round overhead)."""
     table = acceptance_table(drafters, prompt, reference, max_draft, max_new_tokens)
     steps = [costs.target(m) for m in range(1, max_draft + 2)]
-    plan = oracle_plan(table, steps, costs.overhead.value or 0.0)
+    plan = oracle_plan(table, steps, costs.overhead["greedy"].value or 0.0)  # the benchmark decodes greedily
     return TurnOracle(table, plan, oracle_path(plan))
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from .questions import GROUPS
 
-# One question per Spec-Bench group (MT-bench's is two turns), short answers, every method: about 6-8 minutes on a
-# quiet 2-core machine with the embedded SmolLM2-135M target and the default pool.
+# One question per Spec-Bench group (MT-bench's is two turns), short answers, every method: a run short enough to
+# repeat on a small CPU with the embedded SmolLM2-135M target and the default pool.
 QUICK = {"categories": list(GROUPS), "per_category": 1, "max_new_tokens": 64}
 
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"

@@ -118,6 +118,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     k, max_new, seed = cfg.draft_len, cfg.max_new_tokens, cfg.seed
     oracle_k = longest_draft(methods, k)  # the oracle may draft as long as any method here can
+    decoder.cost_model(oracle_k + 1)  # now, for every method: requests never extend the calibrated T(M)
     choices: dict[int, list] = {}
 
     def runner(method: str, qid: int | None = None):

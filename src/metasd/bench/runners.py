@@ -82,8 +82,8 @@ def measure_question(
     methods[0] is the reference (`ar`): after its first run, `after_reference` gets it (the oracle tables). Before
     every run `restore` puts the drafters' cross-request history back, and before every pass after the first the
     policies go back to what they knew before the first (a repeat must not learn from the question it is measured
-    on). Passes, not back-to-back repeats: a shared machine slows down for tens of seconds at a time, and a method
-    whose tries all fell in one such spell would keep a slow record.
+    on). Passes, not back-to-back repeats: a shared machine slows down for spells longer than one run, and a
+    method whose tries all fell in one such spell would keep a slow record.
     """
     start = decoder.snapshot_policies() if repeat > 1 else None
     best: dict[str, QuestionRecord] = {}

@@ -15,19 +15,20 @@ DEFAULT_DRAFTERS = ",".join(DEFAULT_POOL)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_model_args(
-    parser: argparse.ArgumentParser,
-    *,
-    target_default: str | None = None,
-    dtype_default: str | None = "float32",
-    preset_note: str = "",
-) -> None:
-    """`--target`, `--dtype`, `--kernels`: the target model as loaded, for every command that loads one."""
+def add_target_arg(parser: argparse.ArgumentParser, *, use: str = "", preset_note: str = "") -> None:
+    """`--target`: the target model, for every command that names one."""
     parser.add_argument(
         "--target",
-        default=target_default,
-        help=f"hub id, directory or .gguf file (default: the embedded SmolLM2-135M{preset_note})",
+        default=None,
+        help=f"{use}hub id, directory or .gguf file (default: the embedded SmolLM2-135M{preset_note})",
     )
+
+
+def add_model_args(
+    parser: argparse.ArgumentParser, *, dtype_default: str | None = "float32", preset_note: str = ""
+) -> None:
+    """`--target`, `--dtype`, `--kernels`: the target model as loaded, for every command that loads one."""
+    add_target_arg(parser, preset_note=preset_note)
     parser.add_argument(
         "--dtype",
         default=dtype_default,

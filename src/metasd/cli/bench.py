@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help=f"1 question per Spec-Bench group, {QUICK['max_new_tokens']} new tokens, every method "
-        "(about 10 minutes on 2 cores)",
+        "(one pass takes minutes on a small target)",
     )
     p.add_argument(
         "--preset",

@@ -6,12 +6,12 @@ import argparse
 import json
 
 from ..specialists.distill import distill
-from .args import set_threads
+from .args import add_target_arg, set_threads
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("distill", help="train a small drafter on the target's own greedy answers (lm:DIR loads it)")
-    p.add_argument("--target", default=None, help="hub id, directory or .gguf file (default: embedded SmolLM2)")
+    add_target_arg(p, use="the target whose answers the drafter learns: ")
     p.add_argument("--prompts", required=True, help='JSONL prompts: "prompt", "turns", "messages" or "conversations"')
     p.add_argument("--out", required=True, help="output directory (model, tokenizer, cached answers, checkpoint)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers taken from the target (default: %(default)s)")

@@ -7,13 +7,14 @@ import os
 from pathlib import Path
 
 from ..specialists.index import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, build_index, corpus_files, load_tokenizer
+from .args import add_target_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("index", help="build a datastore (token suffix array) from corpora for the datastore: drafter")
     p.add_argument("corpora", nargs="+", metavar="CORPUS", help="text / JSONL / JSON files or source directories")
     p.add_argument("--out", required=True, help="index directory to write (tokens.npy, sa.npy, header.json)")
-    p.add_argument("--target", default=None, help="model whose tokenizer to use (default: the embedded model)")
+    add_target_arg(p, use="the model whose tokenizer the datastore uses: ")
     p.add_argument(
         "--depth",
         type=int,

@@ -12,7 +12,8 @@ from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
 DRAFTER_KINDS = ("ngram[:MAX_N]", "suffix[:DEPTH]", "early-exit[:LAYERS]", "lm:MODEL[:WEIGHTS]", "datastore:PATH")
-# The pool of `generate`, `serve`, `bench` and `Decoder` when none is given (chosen from the quick bench: README).
+# The pool of `generate`, `serve`, `bench` and `Decoder` when none is given: model-free drafters only, nothing to
+# download and nothing that costs a forward when it is not used (chosen by measurement: see docs/decisions.md).
 DEFAULT_POOL = ("ngram", "suffix")
 
 __all__ = ["DEFAULT_POOL", "DRAFTER_KINDS", "Draft", "Drafter", "build_drafter", "parse_drafters"]

@@ -20,6 +20,9 @@ class Draft:
     # Policies learn what each level of a drafter's signal is worth in accepted tokens (metasd.policy.acceptance), so
     # the scale need not be calibrated.
     confidence: list[float] | None = None
+    # Forwards a model drafter ran for this draft (0 for free drafters): as many as its tokens, one more when it
+    # stopped before drawing a token, whose q it computed and paid for. Its cache then holds forwards - 1 of them.
+    forwards: int = 0
 
     def truncated(self, k: int) -> Draft:
         """The first k tokens. Lossless for one-hot drafts (q None): their tokens are deterministic, so cutting
@@ -30,6 +33,7 @@ class Draft:
             self.tokens[:k],
             None if self.q is None else self.q[:k],
             None if self.confidence is None else self.confidence[:k],
+            self.forwards,
         )
 
     def followed_by(self, tail: Draft) -> Draft:
@@ -51,7 +55,7 @@ class Draft:
                 *(self.confidence or [math.nan] * len(self.tokens)),
                 *(tail.confidence or [math.nan] * len(tail.tokens)),
             ]
-        return Draft(self.tokens + tail.tokens, q, confidence)
+        return Draft(self.tokens + tail.tokens, q, confidence, self.forwards)
 
 
 class StopRule(Protocol):

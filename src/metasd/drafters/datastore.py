@@ -1,22 +1,16 @@
-"""Retrieval drafting from a token datastore (after REST, He et al. 2023): `datastore:PATH`.
+"""Retrieval drafting from a token datastore, after REST (He et al., arXiv 2311.08252): `datastore:PATH`.
 
-An index (built by `metasd index`, see `metasd.specialists.index`) is a directory of three files:
+REST looks up the longest suffix of the context in a corpus (with a suffix array) and drafts a tree of the frequent
+prefixes of what follows its matches; here a draft is one path. A binary search over the suffix array (comparing
+raw bytes) finds the longest suffix of the context, at most `depth` tokens, that occurs in the corpus; the walk then
+drafts the most frequent next token among the matches, keeps the matches that continue with it, and so on for k
+tokens (stopping at a document's end). Huge match sets (a one-token match on a common token) are thinned to
+`max_matches` evenly spaced entries of the suffix-array range; the range is sorted by the following tokens, so the
+sample stays representative.
 
-- `tokens.npy`: every document of the corpus tokenized with the target's tokenizer, one after another, each followed
-  by a separator (-1), as big-endian int32 (`>i4`) so that comparing raw bytes compares token sequences;
-- `sa.npy`: a suffix array (native int32): the positions of every non-separator token, sorted by the first `depth`
-  tokens that start there (ties in no particular order). Drafts need only the first few tokens of a suffix to match,
-  so sorting on a fixed depth (16 by default) is enough and far cheaper to build than a full suffix array;
-- `header.json`: format and version, the depth, the counts, and the tokenizer it was built with (a SHA-256 over the
-  sorted vocabulary): an index built for another tokenizer is refused, since its ids would mean other strings.
-
-Both arrays are memory-mapped, loaded once per process and shared by every drafter and request that names the path.
-
-A draft: binary search (over the suffix array, comparing raw bytes) for the longest suffix of the context, at most
-`depth` tokens, that occurs in the corpus; then walk the matches: the most frequent next token among them is drafted,
-the matches that continue with it are kept, and so on for k tokens (the most frequent continuation path, stopping at
-a document's end). Huge match sets (a one-token match on a common token) are thinned to `max_matches` evenly spaced
-entries of the suffix-array range; the range is sorted by the following tokens, so the sample stays representative.
+The index (built by `metasd index`, `metasd.specialists.index`) is a directory of `tokens.npy`, `sa.npy` and
+`header.json` (see `Datastore`); its arrays are memory-mapped, loaded once per process and shared by every drafter
+and request that names the path.
 """
 
 from __future__ import annotations
@@ -74,7 +68,17 @@ class Lookup:
 
 
 class Datastore:
-    """A loaded index: memory-mapped tokens and suffix array, and the lookups on them."""
+    """A loaded index: memory-mapped tokens and suffix array, and the lookups on them. The directory holds:
+
+    - `tokens.npy`: every document of the corpus tokenized with the target's tokenizer, one after another, each
+      followed by a separator (-1), as big-endian int32 (`>i4`) so that comparing raw bytes compares token sequences;
+    - `sa.npy`: a suffix array (native int32): the positions of every non-separator token, sorted by the first
+      `depth` tokens that start there (ties in no particular order). Drafts need only the first few tokens of a
+      suffix to match, so sorting on a fixed depth (16 by default) is enough and far cheaper to build than a full
+      suffix array;
+    - `header.json`: format and version, the depth, the counts, and the tokenizer it was built with (a SHA-256 over
+      the sorted vocabulary): an index built for another tokenizer is refused, since its ids would mean other strings.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

@@ -1,7 +1,9 @@
 """Self-speculative drafting: the target's first L layers + its final norm and LM head, no extra weights.
 
-The truncated model is a shallow copy of the target whose layer list is cut to L: the same parameter tensors,
-a config saying L layers, and so a KV cache of its own with L layers.
+The early-exit drafter of LayerSkip (Elhoushi et al., arXiv 2404.16710), without its training recipe (layer dropout
+and an early-exit loss) or its cache shared with verification: an off-the-shelf target's exit at layer L is used as
+it is (the `distill` command trains such a cut instead). The truncated model is a shallow copy of the target whose
+layer list is cut to L: the same parameter tensors, a config saying L layers, and so a KV cache of its own.
 """
 
 from __future__ import annotations

@@ -47,8 +47,10 @@ class ModelDrafter:
         seq = list(context)
         rows: list[torch.Tensor] = []
         confidence: list[float] = []
+        forwards = 0
         for j in range(k):
             q = probabilities(self.lm.logits_for(seq), params)[0]
+            forwards += 1
             if stop is not None and stop.before(j, q):
                 break
             seq.append(pick(q, params, generator))
@@ -56,4 +58,4 @@ class ModelDrafter:
             confidence.append(float(q.max()))
             if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
                 break
-        return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence)
+        return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence, forwards)

@@ -1,4 +1,6 @@
-"""Prompt lookup (Saxena 2023): copy what followed the most recent earlier occurrence of the context's tail."""
+"""Prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding): copy what followed the most
+recent earlier occurrence of the context's last n tokens (n from `max_ngram` down to `min_ngram`). Ours adds a
+confidence per draft from how far the match extends backwards (`match_signal`), for the adaptive policy."""
 
 from __future__ import annotations
 

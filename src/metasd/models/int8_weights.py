@@ -1,23 +1,17 @@
 """Weight-only int8 copies of a model drafter's linear layers, used where they are measured faster.
 
-Why: one drafting step of a small LM reads all its weights to produce one token, so on a CPU its time is the time
-to stream them from memory. Measured on a 2-core AVX-512 BF16 EPYC (Qwen2.5-Coder-0.5B, 300 cached tokens): a
-step took 48 ms in bfloat16 and 116 ms in float32; with int8 weights (per-output-channel scales, torch's
-`_weight_int8pack_mm`, bfloat16 activations) 27 and 24 ms. A drafter's tokens are only proposals that the target
-verifies, so approximating its weights cannot change what is generated: greedy output stays the target's own and
-sampling keeps its distribution (the acceptance rule uses the q the drafter actually drew from). What it can change
-is how often its tokens are accepted, which the benchmark reports side by side (`lm:MODEL:int8` against
-`lm:MODEL:unquantized`).
+Why: one drafting step of a small LM reads all its weights to produce one token, so on a CPU its time is the time to
+stream them from memory, and int8 weights (per-output-channel scales, torch's `_weight_int8pack_mm`, bfloat16
+activations) halve that traffic against bfloat16 and quarter it against float32. A drafter's tokens are only
+proposals that the target verifies, so approximating its weights cannot change what is generated: greedy output
+stays the target's own and sampling keeps its distribution (the acceptance rule uses the q the drafter actually drew
+from). What it can change is how often its tokens are accepted, which the benchmark reports side by side.
 
-The quantized model is a twin: it shares every parameter of the model as loaded (embeddings, norms, biases) and
-holds int8 copies of its plain linear layers only, so the model itself is untouched (the target, when a drafter
-names the target's own model, or Hugging Face's assisted generation, which the benchmark runs on the model as
-loaded). Whether int8 is faster depends on the kernel this torch build has for the device, on the CPU and on how
-many rows a product has: the same machine ran a 64-token forward (a catch-up, a prompt) 1.8x slower in int8 and a
-700-token prefill 2.1x slower, while 1-4 tokens ran 2x faster. So `auto` times forwards of 1, 2, 4 ... 64 tokens
-with and without those rows in int8 (`int8_rows`), runs products of up to the largest row count where int8 stayed
-faster in int8 and larger ones on the shared float weights, and keeps the model as loaded where int8 is not faster
-even for one token.
+The quantized model is a twin: it shares every parameter of the model as loaded and holds int8 copies of its plain
+linear layers only, so the model itself is untouched (the target, when a drafter names the target's own model, or
+Hugging Face's assisted generation). Whether int8 is faster depends on the kernel this torch build has for the
+device, on the CPU and on how many rows a product has (a product of many rows, such as a prompt's prefill, is bound
+by compute rather than by memory and can run slower in int8), so `auto` times it per row count (`int8_rows`).
 """
 
 from __future__ import annotations

@@ -2,14 +2,12 @@
 
 A verification forward multiplies every weight matrix by M rows, one per drafted token. `F.linear` computes
 x @ W^T; on CPUs its BLAS call for a handful of rows can run far below the memory bandwidth that a forward of a
-small model is bound by, so a 2-token forward costs much more than a 1-token one, and that ratio is exactly what
+small model is bound by, so a 2-token forward can cost much more than a 1-token one, and that ratio is exactly what
 decides whether a draft pays. The same product computed as (W @ x^T)^T reads the weights in their stored order
-("weight-major"; a single row is padded with a zero row, as one column takes BLAS's matrix-vector path).
-Measured on an AVX2-only AMD EPYC with 2 threads (SmolLM2-135M, float32, 400 cached tokens): a forward over one
-token took 72-75 ms with `F.linear`, 79-80 ms weight-major unpadded and 60-65 ms padded; over 2 to 6 tokens
-`F.linear` took 1.6-2.1x its one-token time and weight-major 0.9-1.2x. Which layout wins depends on the BLAS, the
-CPU, the dtype and M, so nothing here assumes a winner: calibration (`costs.calibrate`) times a whole forward
-under each kernel for every M it needs and `install` routes each row count to the faster one.
+("weight-major"; a single row is padded with a zero row, as one column takes BLAS's matrix-vector path), which
+keeps a few-row forward close to a one-row one where `F.linear` does not. Which layout wins depends on the BLAS,
+the CPU, the dtype and M, so nothing here assumes a winner: calibration (`metasd.costs.calibrate`) times a whole
+forward under each kernel for every M it needs and `install` routes each row count to the faster one.
 
 Both kernels compute the same dot products, summed in a different order, so they differ in the last bits only,
 as any two BLAS kernels do; the target's own greedy decoding uses the same routed layers as verification.
@@ -31,7 +29,7 @@ KERNEL_MODES = {"auto": KERNELS, "torch": KERNELS[:1]}
 def _weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    if n == 1:  # one column would take BLAS's matrix-vector path, slower than a 2-column product where measured
+    if n == 1:  # one column would take BLAS's matrix-vector path, which can be slower than a 2-column product
         rows = torch.cat([rows, torch.zeros_like(rows)])
     y = torch.mm(weight, rows.t())[:, :n].t()
     if bias is not None:

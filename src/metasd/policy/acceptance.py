@@ -22,8 +22,8 @@ import numpy as np
 
 SIGNAL_LEVELS = 5  # confidence in [0, 1] -> 5 equal bins; one more bin for drafts without a signal
 # Position cells: the first of each. Acceptance given the earlier tokens were accepted keeps changing deep into a
-# draft (a copied span runs out), and where T(M) is flat the policy sends 8-12 tokens: one rate from token 3 on
-# would price the tail of such a draft like its head.
+# draft (a copied span runs out), and where T(M) is flat the policy sends drafts up to its longest: one rate from
+# token 3 on would price the tail of such a draft like its head.
 CELL_STARTS = (0, 1, 2, 3, 4, 6, 9)
 POSITIONS = len(CELL_STARTS)
 _CELL_OF = np.searchsorted(CELL_STARTS, np.arange(CELL_STARTS[-1] + 1), side="right") - 1
@@ -77,8 +77,8 @@ class AcceptanceModel:
     def prior_strength(self, arm: int) -> float:
         """Empirical Bayes: pseudo-observations worth of the drafter's history for a new request, from how much
         its first-token acceptance varied between earlier requests (a beta-binomial's concentration by the method
-        of moments). A drafter that is equally poor on every request (early exit on the Qwen pair) gets a strong
-        prior and is not explored afresh each time; one whose acceptance depends on the text gets a weak one."""
+        of moments). A drafter that is equally poor on every request gets a strong prior and is not explored afresh
+        each time; one whose acceptance depends on the text gets a weak one."""
         if len(self.first_tokens[arm]) < 3:
             return 0.0
         hits, tried = np.array(self.first_tokens[arm]).T
@@ -141,9 +141,9 @@ class AcceptanceModel:
         Optimism can then ask an unknown drafter for one token, not for k_max tokens priced at a guessed rate.
 
         Tries count across requests whenever a request starts from the history (spread, or a prior weight): how far
-        a drafter has been sent is not what varies between texts, and counting only the request's scaled-down
-        prior restarted the 0.5B Qwen drafter at 1 token every request (1, 1, 1, 2, 2, 2, 3 ...: never past 3 in a
-        32-token answer, where it drafts 5 with about 3 accepted)."""
+        a drafter has been sent is not what varies between texts, and counting only the request's scaled-down prior
+        would restart a drafter at 1 token every request, so that in a short answer it never reached the draft
+        length it is good for."""
         tried = (self.history_tried if self.spread or self.prior_weight > 0 else self.tried)[arm].sum(0)
         k = 1
         for cell in range(POSITIONS):

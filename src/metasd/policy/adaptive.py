@@ -1,49 +1,14 @@
 """`metasd-adaptive`: each round, the (drafter, draft length) with the most expected tokens per second.
 
-For every option the policy knows E[tokens] = 1 + sum_j prod_{i<=j} a_i (acceptance model) and the time,
-T_draft + T(k + 1) + overhead (cost model, measured on this machine), and takes the best ratio; k = 0, a plain target
-step at rate 1 / (T(1) + overhead), is always an option, so a pool that cannot pay for itself costs almost nothing
-(one round in 100 is a plain step regardless, to keep T(1), the yardstick of every estimate, measured).
-
-- Drafters without a model (n-gram, suffix, datastore) propose every round, up to the longest draft, before the
-  choice: their proposals cost microseconds and their per-token signals (match length, continuation share) feed the
-  acceptance model, so the policy cuts each proposal at the length its signals justify. Their tokens are
-  deterministic, so cutting after seeing them keeps sampling exact. Each proposal is judged in hindsight against
-  the output (`hindsight.py`), whether it drafted or not: they need no exploration.
-- Drafters with a model are planned from position means before drafting, with an optimism bonus that shrinks as
-  evidence accumulates (the MetaSD bandit layer: a drafter is tried while it might be best). The plan reaches only
-  one position past those already seen tried (`AcceptanceModel.explored_length`): optimism on an unknown drafter
-  buys a 1-token try, then 2, ..., not 12 tokens at a guessed rate (measured on the Qwen pair: untried drafters sent
-  7-12 tokens at 3x the cost of a plain step and lost most of them). The plan only decides
-  *whether* the drafter drafts: a drafter that takes a stop rule is sent out for that explored length and a stop
-  rule ends its draft token by token, before token j when q_j says it is not worth verifying, and after it when
-  the tokens still to come are worth less than the drafter forwards and verification they would add at the best
-  rate any option offers this round without optimism (HF's confidence threshold and SpecDec++, with the threshold
-  derived from the measured costs instead of fixed). Measured on the Qwen pair (bfloat16): planning k from
-  position means alone held the 0.5B drafter at k = 2 in 56 of its 59 rounds, while at a fixed k = 5 it averaged
-  3.11 tokens a round.
-- A model drafter's draft may be continued by a free drafter (`extension`, `extend=1`): the free drafters propose
-  for the context the model's tokens lead to, and the best proposal is appended as far as its tokens, each worth
-  its acceptance times the chance that every model token before it is accepted, beat the extra verification at
-  the round's bar. Where T(M) is flat (the Qwen pair in bfloat16: T(6) = T(1)) that costs nothing, and the model
-  hands the copy a context it could not have reached alone: offline, over two Spec-Bench questions per group,
-  appending n-gram or suffix continuations after the 0.5B drafter's 2-token drafts added 4-24 % to its rounds'
-  tokens outside summarization (98 % there). Measured side by side on that pair the gain did not survive: +1 and
-  +2 % in runs of two earlier versions, -2 % for this one (mean accepted tokens +3 %, but continuations of 6-12
-  tokens are verified at T(7..13) = 1.07-1.20 T(1), and the extra proposals took policy time from 0.3 to 0.8 %),
-  so it is off by default.
-
-Parameters (`metasd-adaptive[:beta=B,gamma=G,max=K,spread=S,prior=W,extend=E]`): beta (0.3) scales the optimism
-bonus; spread (1) starts each request from the pool's history weighted per drafter by how little its acceptance
-varied between earlier requests (empirical Bayes, `AcceptanceModel.prior_strength`); spread=0 uses prior (0)
-instead, a cap on the observations per cell carried from earlier requests (prior > 0 with spread=1 is refused);
-gamma (1) forgets within a request; max (12) is the longest draft considered; extend (0) lets free drafters continue
-a model drafter's draft. A fixed history weight fails both ways: Spec-Bench's groups differ so much (at k = 5 the
-0.5B Qwen drafter gets 4.3 tokens a round accepted on math and 1.25 on translation) that prior 20 kept a request on
-the last request's drafter (prior 0 against 20: 1.11 vs 1.09x `ar` on the embedded quick bench, 1.25 / 1.18 / 1.20
-vs 1.21 / 1.14 / 1.17x in three runs on the Qwen pair), while prior 0 explored early exit, poor on every request,
-afresh each time. Side by side on the Qwen pair (bfloat16, two questions per group): spread 1.32x against 1.18x for
-prior 0 (README, Speed).
+An extension of MetaSD's drafter bandit (Kim, Jung & Yun, arXiv 2604.05417), whose policies pick a drafter for a fixed
+draft length. Here every option's expected tokens, 1 + sum_j prod_{i<=j} a_i (`acceptance.py`), are weighed against
+its time, T_draft + T(k + 1) + overhead (`metasd.costs`, measured on the machine it runs on), and k = 0, a plain
+target step, is always an option, so a pool that cannot pay for itself costs almost nothing. Free drafters (n-gram,
+suffix, datastore) propose every round and are judged in hindsight whether they draft or not (`hindsight.py`); model
+drafters are planned with a UCB-style optimism bonus (Auer et al. 2002) and end their own drafts by a stop rule, a
+threshold policy as in SpecDec++ (Huang et al., arXiv 2405.19715) with the threshold derived from the measured costs.
+`AdaptivePolicy` says how each part works and why; docs/policies.md lists the parameters, docs/decisions.md the
+measurements behind the defaults.
 """
 
 from __future__ import annotations
@@ -114,6 +79,40 @@ def canonical(params: dict[str, float]) -> str:
 
 
 class AdaptivePolicy:
+    """Choose (drafter, k) by expected tokens per second, from an acceptance model and the machine's cost model.
+
+    - Free drafters propose every round, up to the longest draft, before the choice: their proposals cost
+      microseconds, and their per-token signals (match length, continuation share) feed the acceptance model, so
+      each proposal is cut at the length its signals justify. Their tokens are deterministic, so cutting after seeing
+      them keeps sampling exact, and each proposal is judged against the output whether it drafted or not
+      (`Hindsight`): they need no exploration.
+    - Model drafters are planned from position means before drafting, with an optimism bonus that shrinks as
+      evidence accumulates (the bandit layer: a drafter is tried while it might be best). The plan reaches only one
+      position past those already tried (`AcceptanceModel.explored_length`): optimism buys an unknown drafter a
+      1-token try, then 2, ..., never a long draft priced at a guessed rate, which would cost several target steps
+      and mostly be rejected. The plan only decides *whether* a model drafter drafts: one that takes a stop rule is
+      sent out for the explored length and `_DraftStop` ends its draft token by token, before token j when q_j says
+      it is not worth verifying, after it when the tokens still to come are worth less than their drafter forwards
+      and verification. Position means alone cannot see that a particular draft is going well, so they would keep
+      a good drafter's drafts short; the stop rule is a threshold policy (SpecDec++, and Hugging Face's assistant
+      confidence threshold) whose threshold comes from the measured costs instead of being fixed.
+    - A model drafter's first draft of a request prefills its prompt, which can cost several target steps: that
+      investment is charged in proportion to the share of the request's remaining tokens its rounds are expected to
+      yield (`_usage`), so a long prompt with a short answer, or a drafter rarely used once started, rules it out.
+    - `extend=1`: a free drafter may continue a model drafter's draft (`extension`): the model's tokens lead the copy
+      to a context it could not reach alone, and where T(M) is nearly flat the extra tokens cost little to verify.
+      But they are verified at longer M and add proposals every round, so it is off by default (chosen by
+      measurement: see docs/decisions.md).
+
+    Parameters: `beta` scales the optimism bonus; `spread=1` starts each request from the pool's history weighted
+    per drafter by how little its acceptance varied between earlier requests (empirical Bayes,
+    `AcceptanceModel.prior_strength`), because a fixed history weight fails both ways: a strong one keeps a request
+    on the last request's drafter although Spec-Bench-like tasks differ widely in acceptance, a weak one explores a
+    drafter that is poor on every request afresh each time; `spread=0` uses `prior` instead, a cap on the
+    observations per cell carried from earlier requests (0: each request starts afresh, as in the paper); `gamma`
+    < 1 forgets within a request; `max_draft` (the name's `max`) is the longest draft considered.
+    """
+
     reward = "rate"  # reported reward: the round's tokens per second relative to a plain target step
     full_information = True
     wants_proposals = True
@@ -138,6 +137,7 @@ class AdaptivePolicy:
         # proposals there are judged only where the model's tokens were accepted, easier text than a round's start
         self.acceptance = AcceptanceModel(2 * n_arms, prior_weight=prior, gamma=gamma, spread=bool(spread))
         self.costs: CostModel | None = None
+        self.regime = "greedy"
         self.names: list[str] = []
         self.free: list[bool] = []
         self.stoppable: list[bool] = []
@@ -154,11 +154,20 @@ class AdaptivePolicy:
         self._yielded = [0.0] * n_arms  # and tokens its own rounds emitted
 
     def attach(
-        self, costs: CostModel, names: Sequence[str], free: Sequence[bool], stoppable: Sequence[bool] | None = None
+        self,
+        costs: CostModel,
+        names: Sequence[str],
+        free: Sequence[bool],
+        stoppable: Sequence[bool] | None = None,
+        regime: str = "greedy",
     ) -> None:
-        """The engine hands over the machine's cost model, which drafters propose for free, and which model
-        drafters take a stop rule (`StoppableDrafter`: they are sent out for the explored length and end their
-        draft where it stops paying; the others draft the planned length)."""
+        """The engine hands over the machine's cost model, which drafters propose for free, which model drafters
+        take a stop rule (`StoppableDrafter`: they are sent out for the explored length and end their draft where
+        it stops paying; the others draft the planned length), and the decoding regime the policy serves
+        ("greedy" or "sampled": the engine keeps one policy per regime, whose rounds cost differently)."""
+        if regime not in costs.overhead:
+            raise ValueError(f"unknown decoding regime {regime!r}; use one of {', '.join(costs.overhead)}")
+        self.regime = regime
         stoppable = [False] * self.n_arms if stoppable is None else list(stoppable)
         if not len(names) == len(free) == len(stoppable) == self.n_arms:
             raise ValueError("attach() needs one name, one free flag and one stoppable flag per drafter")
@@ -189,7 +198,7 @@ class AdaptivePolicy:
         if costs.target.plain_step_due():  # keep T(1) measured: every other estimate is scaled by it
             self._bar = 0.0
             return None, 0
-        overhead = costs.overhead.value or 0.0
+        overhead = costs.overhead[self.regime].value or 0.0
         t = np.array([costs.target(m) for m in range(1, k_max + 2)]) + overhead  # t[k]: time to verify k drafted
         best: tuple[float, int | None, int] = (1.0 / t[0], None, 0)
         bar = best[0]  # the best rate any option offers on present evidence, optimism left out
@@ -226,8 +235,8 @@ class AdaptivePolicy:
             gain = expected_tokens(np.minimum(means + bonus, 1.0))
             charge = catch_up
             if fresh:
-                # its first draft prefills the prompt (0.9 s for 709 tokens on the Qwen pair, six target steps):
-                # an investment in the tokens it will yield, charged in proportion to this round's share of them:
+                # its first draft prefills the prompt, which can cost several target steps on a long prompt: an
+                # investment in the tokens it will yield, charged in proportion to this round's share of them:
                 # of the request's remaining tokens, the share its rounds took in earlier requests once started. A
                 # long prompt with a short answer, or a drafter that is started and then rarely drafts, rules it out.
                 charge = catch_up * np.minimum(1.0, gain / (remaining * self._usage(arm)))

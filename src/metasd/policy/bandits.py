@@ -1,6 +1,7 @@
-"""The paper's bandits and the classic baselines (MetaSD, arXiv 2604.05417): UCB with the block-divergence and
-block-efficiency rewards, discounted and sliding-window UCB for drift (Garivier & Moulines, arXiv 0805.3415), EXP3
-(Auer et al. 2002), sequential halving (Karnin et al. 2013), random, round-robin and a fixed drafter."""
+"""The paper's bandits and the classic baselines (MetaSD, Kim, Jung & Yun, arXiv 2604.05417): UCB1 (Auer,
+Cesa-Bianchi & Fischer 2002) with the block-divergence and block-efficiency rewards (`rewards.py`), discounted and
+sliding-window UCB for drift (Garivier & Moulines, arXiv 0805.3415), EXP3 (Auer, Cesa-Bianchi, Freund & Schapire
+2002), sequential halving (Karnin, Koren & Somekh 2013), random, round-robin and a fixed drafter."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from .base import ArmStats
 
 
 class UCB(ArmStats):
-    """MetaSD-UCB: optimism in the face of uncertainty; beta scales the exploration bonus (0 = greedy)."""
+    """MetaSD-UCB: UCB1's mean + beta * sqrt(2 ln t / n_i), optimism in the face of uncertainty; beta scales the
+    exploration bonus (1: UCB1 as published; 0: greedy)."""
 
     def __init__(self, n_arms: int, beta: float = 1.0, reward: str = "bd", full_information: bool = False) -> None:
         self.beta = beta
@@ -28,13 +30,14 @@ class UCB(ArmStats):
         return int(np.argmax(np.asarray(self.mean_rewards) + self.beta * bonus))  # argmax: ties -> lowest index
 
 
-# Forgetting bandits, for drift within a request (MetaSD's appendix; Garivier & Moulines, ALT 2011). A request is
-# about 50-100 rounds (128 tokens at 1.3-2.5 tokens a round), and a task switch inside it (copying, then reasoning)
-# changes which drafter is best. Defaults: gamma 0.95 remembers about 1 / (1 - gamma) = 20 rounds (evidence 50 rounds
-# old weighs 0.08), a window of 32 rounds about a third of a request: both long enough to average BD's noise over
-# ~10 pulls per arm of a 3-drafter pool, short enough to follow a switch well before the request ends. beta defaults
-# to 0.1 as for the cost-aware UCB (README "Beyond the paper"): discounted counts stay below 1 / (1 - gamma), so
-# the bonus never shrinks below ~0.5 / sqrt(share), and with beta 1 it would swamp reward gaps of ~0.1 for good.
+# Forgetting bandits, for drift within a request (MetaSD's appendix; Garivier & Moulines, ALT 2011, arXiv
+# 0805.3415). A request is some tens to a hundred rounds (128 new tokens by default, one to a few a round), and a
+# task switch inside it (copying, then reasoning) changes which drafter is best. Defaults: gamma 0.95 remembers about
+# 1 / (1 - gamma) = 20 rounds (evidence 50 rounds old weighs 0.08), a window of 32 rounds a fraction of a request:
+# both long enough to average BD's noise over ~10 pulls per arm of a 3-drafter pool, short enough to follow a switch
+# well before the request ends. beta defaults to 0.1 as for the cost-aware UCB (docs/policies.md, "Beyond the
+# paper"): discounted counts stay below 1 / (1 - gamma), so the bonus never shrinks below ~0.5 / sqrt(share), and
+# with beta 1 it would swamp the small gaps between drafters' mean rewards for good.
 # `pulls` and `mean_rewards` stay undiscounted totals over the request (what the engine reports); only select()
 # uses the discounted / windowed statistics.
 _UNSEEN = 1e-12  # a discounted count below this is an arm never (or ~500+ rounds ago) played: try it first
@@ -115,7 +118,7 @@ class SlidingWindowUCB(ArmStats):
 
 
 class EXP3(ArmStats):
-    """EXP3 (Auer et al.): adversarial bandit, robust when drafter quality drifts within a request."""
+    """EXP3 (Auer et al. 2002): adversarial bandit, robust when drafter quality drifts within a request."""
 
     def __init__(self, n_arms: int, gamma: float = 0.1, seed: int | None = None, reward: str = "bd") -> None:
         self.gamma = gamma
@@ -141,12 +144,12 @@ class EXP3(ArmStats):
 
 
 class SequentialHalving(ArmStats):
-    """Sequential halving (Karnin et al.): spend a fixed budget of rounds finding the best drafter, then commit.
+    """Sequential halving (Karnin et al. 2013): spend a fixed budget of rounds finding the best drafter, then commit.
 
     Each of ceil(log2 K) phases pulls the survivors in turn, then keeps the better half by that phase's mean.
     Leftover rounds from integer division carry over to later phases, so the phases use about `budget` rounds.
-    The default of 32 rounds lets it commit within a typical request (about 100 rounds for 128 tokens at 1.3
-    tokens a round, about 30 at 4.5), since policy state resets per request by default.
+    The default of 32 rounds lets it commit within a typical request (128 new tokens at one to a few tokens a
+    round), since policy state resets per request by default.
     """
 
     def __init__(self, n_arms: int, budget: int = 32, reward: str = "bd") -> None:

@@ -29,8 +29,9 @@ POLICY_NAMES: tuple[str, ...] = (
     "none",
 )
 _UCB_REWARDS = {"metasd-ucb": "bd", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost", "ucb-be": "be"}
-# beta 1 is the paper's. Ours default to 0.1: a request is ~50 rounds and reward gaps are ~0.1, so beta 1 spends most
-# of a request exploring a slow drafter (measured with `metasd bench --quick`, see README "Beyond the paper").
+# beta 1 is the paper's. Ours default to 0.1: a request is only some tens of rounds and the gaps between drafters'
+# mean rewards are small next to beta 1's bonus, so beta 1 spends most of a request exploring a slow drafter
+# (chosen by measurement: see docs/policies.md, "Beyond the paper", and docs/decisions.md).
 _DEFAULTS: dict[str, float] = {
     "metasd-ucb": 1.0,
     "ucb-be": 1.0,

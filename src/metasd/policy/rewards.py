@@ -1,15 +1,8 @@
 """Per-round rewards for the drafter-selection bandit, each in [0, 1].
 
-`bd` (block divergence, MetaSD): mean over the k requested positions of 1 - TV(p_j, q_j). It uses every drafted
-position, also those after the first rejection, so it is a denser, lower-variance signal than `be`.
-For a drafter without q (one-hot on its token x_j), 1 - TV(p_j, q_j) = p_j(x_j). Positions the drafter did not
-fill (a short or empty draft) count as 0: proposing nothing earns nothing.
-Under greedy decoding p and q are the distributions decoding actually uses: point masses at the target's and the
-drafter's argmax (a drafter's tokens are its argmax). BD is then the share of the k positions whose drafted token
-equals the target's argmax, counted past the first rejection too, on one scale for every kind of drafter. (Scoring
-the temperature-1 distributions instead would give a drafter of exactly the target's greedy tokens ~0.6 when it
-sends tokens only and 1.0 when it sends q: a scale that depends on the drafter's kind, not on its drafts.)
-`be` (block efficiency): accepted / k.
+`bd` (block divergence, MetaSD, arXiv 2604.05417): mean over the k requested positions of 1 - TV(p_j, q_j). It uses
+every drafted position, also those after the first rejection, so it is a denser, lower-variance signal than `be`.
+`be` (block efficiency, the paper's baseline reward): accepted / k.
 `bd-cost` (ours): the paper's rewards ignore what a draft costs, so a slow drafter with slightly better alignment
 wins over a free one. This one estimates tokens per unit time: the tokens a round is expected to yield under BD,
 (1 + k * BD) / (k + 1), times the share of the round spent verifying, t_verify / (t_draft + t_verify). A free drafter
@@ -28,7 +21,16 @@ def block_divergence(
 ) -> float:
     """p: [>= len(draft), V] target probabilities at the drafted positions; q: [len(draft), V] or None.
 
-    target_tokens (greedy decoding, p unused): the target's argmax at each drafted position.
+    For a drafter without q (one-hot on its token x_j), 1 - TV(p_j, q_j) = p_j(x_j). Positions the drafter did not
+    fill (a short or empty draft) count as 0: proposing nothing earns nothing.
+
+    target_tokens (greedy decoding, p unused): the target's argmax at each drafted position. Under greedy decoding
+    p and q are the distributions decoding actually uses: point masses at the target's and the drafter's argmax (a
+    drafter's tokens are its argmax). BD is then the share of the k positions whose drafted token equals the
+    target's argmax, counted past the first rejection too, on one scale for every kind of drafter. (Scoring the
+    temperature-1 distributions instead would give a drafter of exactly the target's greedy tokens the target's
+    probability of its argmax, often well below 1, when it sends tokens only, and 1.0 when it sends q: a scale that
+    depends on the drafter's kind, not on its drafts.)
     """
     if k <= 0 or not draft:
         return 0.0

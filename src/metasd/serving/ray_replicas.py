@@ -1,28 +1,30 @@
 """`metasd serve --replicas N`: N copies of the OpenAI-compatible server behind one endpoint, on Ray Serve.
 
-Each replica is a Serve deployment whose ingress is the very app `server.create_app` builds (same routes, errors,
-streaming and metrics; /metrics is per replica). The replica loads its Decoder in its constructor; the app is built
-from it when Serve asks for the ingress. A replica whose engine thread stopped fails Serve's health check and is
-restarted while the others keep answering.
+Each replica is a Serve deployment whose ingress is the app `server.create_app` builds (same routes, errors,
+streaming; /metrics per replica); one whose engine thread stopped fails Serve's health check and is restarted.
 
-With `--policy-scope server` the replicas pool what their bandits learn: one Ray actor (`PolicyHub`) holds the sum of
-every replica's per-arm sufficient statistics (pulls, reward sums, rounds) per (policy, pool). At the start of a
-request, at most once every `sync_s` seconds, a replica sends what it learned since its last sync and adopts the
-pooled totals, so a replica that just started begins from what the others learned. The sync runs in the engine
-thread, between requests, so it never races a policy update. Shared: the plain UCB family (`metasd-ucb`,
-`metasd-ucb-cost`, `metasd-fi`, `ucb-be`), whose choice depends only on those statistics; other policies keep
-learning per replica.
+With `--policy-scope server` the replicas pool what their bandits learn (the plain UCB family, whose choice depends
+only on per-arm statistics). A `PolicyHub` actor keeps, per (policy, pool, regime), each replica policy's own
+cumulative statistics; the pool is their sum. A push is a replica's whole contribution, not a difference, so a
+retried, late or repeated push counts once, a hub restarted empty (a new `epoch`) is rebuilt from the next pushes,
+and a policy evicted and made again is a new source that adopts the pool: no count can go down. The hub keeps at
+most `MAX_KEYS` keys and answers only those a replica pushed. The sync runs in the engine thread between requests,
+at most every `sync_s` seconds, and waits at most `SYNC_TIMEOUT_S` before serving on with local statistics.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
+import uuid
+from collections import OrderedDict
 from typing import Any
 
 import ray
 from ray import serve
+from ray.exceptions import GetTimeoutError
 
 from ..engine import Decoder
 from ..policy import UCB
@@ -30,6 +32,9 @@ from ..policy import UCB
 log = logging.getLogger(__name__)
 HUB_NAME = "metasd-policy-hub"
 _REPLICA: dict[str, Any] = {}  # this replica process's app, for the ingress builder (see _holder)
+MAX_KEYS = 256  # (policy, pool, regime) keys the hub keeps; each replica's decoder keeps at most 64 policies
+MAX_SOURCES = 256  # per key, the replicas' policies the hub tells apart; older ones are folded into one sum
+SYNC_TIMEOUT_S = 2.0  # the longest a sync waits for the hub, in the engine thread, before serving on alone
 
 
 def _shareable(policy: Any) -> bool:
@@ -49,7 +54,7 @@ def _diff(a: dict, b: dict | None) -> dict:
 
 def _add(a: dict | None, b: dict) -> dict:
     return (
-        dict(b)
+        _diff(b, None)  # a copy
         if a is None
         else {
             "pulls": [x + y for x, y in zip(a["pulls"], b["pulls"], strict=True)],
@@ -59,30 +64,104 @@ def _add(a: dict | None, b: dict) -> dict:
     )
 
 
-class PolicyHub:
-    """The pooled statistics of every replica (a Ray actor; usable in-process too)."""
+def _counts_ok(stats: dict, floor: dict | None = None) -> bool:
+    """No count below zero, nor below `floor`'s (what the same source pushed before: counts only grow)."""
+    pulls, rounds = stats["pulls"], stats["rounds"]
+    if min(pulls, default=0) < 0 or rounds < 0:
+        return False
+    return floor is None or (
+        rounds >= floor["rounds"] and all(n >= m for n, m in zip(pulls, floor["pulls"], strict=True))
+    )
+
+
+class _Pool:
+    """One key's pooled statistics: per source (a replica's policy object) its latest cumulative push, plus the
+    sum of sources that are gone (a replica that made a new policy for the key, or the oldest past MAX_SOURCES)."""
 
     def __init__(self) -> None:
-        self.totals: dict[tuple, dict] = {}
-        self.merges = 0
+        self.retired: dict | None = None
+        self.sources: OrderedDict[str, tuple[int, dict]] = OrderedDict()  # replica -> (its policy's id, stats)
 
-    def merge(self, deltas: dict) -> dict:
-        """Add each replica delta; return every pooled total."""
-        for key, delta in deltas.items():
-            self.totals[key] = _add(self.totals.get(key), delta)
+    def put(self, replica: str, policy_id: int, stats: dict, max_sources: int) -> bool:
+        """Record a source's cumulative statistics; False (nothing changed) for one that would lower a count."""
+        old = self.sources.get(replica)
+        same = old is not None and old[0] == policy_id
+        if not _counts_ok(stats, old[1] if same else None):
+            return False
+        if old is not None and not same:  # that replica's earlier policy for this key is gone: its learning stays
+            self.retired = _add(self.retired, old[1])
+        self.sources.pop(replica, None)
+        self.sources[replica] = (policy_id, stats)
+        while len(self.sources) > max_sources:
+            self.retired = _add(self.retired, self.sources.popitem(last=False)[1][1])
+        return True
+
+    def total(self) -> dict:
+        total = self.retired
+        for _, stats in self.sources.values():
+            total = _add(total, stats)
+        return total
+
+
+class PolicyHub:
+    """The pooled statistics of every replica (a Ray actor; usable in-process too).
+
+    `epoch` names this hub's life: a hub that restarted (empty) has a new one, so a replica can tell. Nothing
+    else depends on it: replicas push cumulative statistics, which rebuild a new hub without double counting.
+    """
+
+    def __init__(self, max_keys: int = MAX_KEYS, max_sources: int = MAX_SOURCES) -> None:
+        self.epoch = uuid.uuid4().hex
+        self.pools: OrderedDict[tuple, _Pool] = OrderedDict()  # least recently synced first
+        self.max_keys, self.max_sources = max_keys, max_sources
+        self.merges = 0
+        self.refused = 0  # pushes refused for lowering a count
+
+    def merge(self, replica: str, pushed: dict) -> dict:
+        """Record one replica's pushes ({key: {"policy": its policy's id, "pulls", "sums", "rounds"}}, each
+        cumulative since that policy was made); return this hub's epoch and the pooled totals of those keys only."""
+        for key, item in pushed.items():
+            pool = self.pools.pop(key, None) or _Pool()
+            self.pools[key] = pool
+            stats = {"pulls": list(item["pulls"]), "sums": list(item["sums"]), "rounds": item["rounds"]}
+            if not pool.put(replica, item["policy"], stats, self.max_sources):
+                self.refused += 1
+                log.warning("policy hub: refused statistics from %s for %s that would lower a count", replica, key)
+        while len(self.pools) > self.max_keys:
+            self.pools.popitem(last=False)
         self.merges += 1
-        return self.totals
+        totals = {key: self.pools[key].total() for key in pushed if key in self.pools}
+        return {"epoch": self.epoch, "totals": {key: total for key, total in totals.items() if total is not None}}
+
+    @property
+    def totals(self) -> dict:
+        return {key: pool.total() for key, pool in self.pools.items()}
 
     def snapshot(self) -> dict:
-        return {"totals": self.totals, "merges": self.merges}
+        return {"epoch": self.epoch, "totals": self.totals, "merges": self.merges, "refused": self.refused}
+
+
+class _Tracked:
+    """A shared policy object this replica syncs: `adopted` is what it took from the pool (other replicas' learning,
+    as of the last sync), so its own learning, what it pushes, is its state minus that."""
+
+    def __init__(self, policy: Any, policy_id: int) -> None:
+        self.policy, self.policy_id = policy, policy_id
+        self.adopted: dict | None = None
 
 
 class PolicySync:
-    """One replica's side: push what its shared policies learned since the last sync, adopt the pooled totals."""
+    """One replica's side: push what its shared policies learned themselves, adopt the pooled totals of their keys.
+
+    `merge(replica, pushed)` is `PolicyHub.merge` (in process) or `remote_merge(hub)` (over Ray, with a timeout).
+    """
 
     def __init__(self, decoder: Decoder, merge, interval_s: float = 5.0):
         self.decoder, self._merge, self.interval_s = decoder, merge, interval_s
-        self.base: dict[tuple, dict] = {}  # per key: the pooled totals this replica last adopted
+        self.replica = uuid.uuid4().hex
+        self.tracked: dict[tuple, _Tracked] = {}  # per key: the policy object alive in the decoder at the last sync
+        self._ids = itertools.count()
+        self.epoch: str | None = None  # the hub's, as of the last sync
         self.last = float("-inf")
         self.syncs = 0
 
@@ -91,34 +170,46 @@ class PolicySync:
             try:
                 self.sync()
             except Exception:  # the hub is gone or slow: serve on with what this replica knows
-                log.warning("policy statistics sync failed", exc_info=True)
+                log.warning("policy statistics sync failed; serving on with this replica's statistics", exc_info=True)
             self.last = time.monotonic()
 
     def sync(self) -> None:
-        dec = self.decoder
-        deltas = {}
-        for key, policy in list(dec._policies.items()):
-            if _shareable(policy):
-                delta = _diff(policy.state(), self.base.get(key))
-                if any(delta["pulls"]) or delta["rounds"]:
-                    deltas[key] = delta
-        totals = self._merge(deltas)
-        for key, total in totals.items():
-            name, names = key
-            policy = dec._policies.get(key)
-            if policy is None:
-                if not set(names) <= set(dec.drafters):
-                    continue
-                policy = dec._policy(name, list(names))  # server scope: created and kept
-            if not _shareable(policy):
+        live = {key: p for key, p in self.decoder._policies.items() if _shareable(p)}
+        for key in [key for key, t in self.tracked.items() if live.get(key) is not t.policy]:
+            del self.tracked[key]  # evicted from the decoder's cache: what it pushed stays pooled
+        for key, policy in live.items():
+            if key not in self.tracked:  # new, or made again after an eviction: a new source, from zero
+                self.tracked[key] = _Tracked(policy, next(self._ids))
+        pushed = {key: {"policy": t.policy_id, **_diff(t.policy.state(), t.adopted)} for key, t in self.tracked.items()}
+        reply = self._merge(self.replica, pushed)
+        if self.epoch is not None and reply["epoch"] != self.epoch:
+            log.warning("the policy hub restarted: its statistics were rebuilt from the replicas' pushes")
+        self.epoch = reply["epoch"]
+        for key, total in reply["totals"].items():
+            t = self.tracked.get(key)
+            if t is None:
                 continue
-            missing = _diff(total, policy.state())
-            if min(missing["pulls"]) < 0 or missing["rounds"] < 0:  # the hub restarted empty: push all next time
-                self.base.pop(key, None)
-                continue
-            policy.merge(missing)
-            self.base[key] = total
+            # the pool is the reference, also where it holds less than this policy (a restarted hub before every
+            # replica pushed again): what this policy learned itself is in it, and `adopted` keeps it apart
+            missing = _diff(total, t.policy.state())
+            t.policy.merge(missing)
+            t.adopted = _add(t.adopted, missing)
         self.syncs += 1
+
+
+def remote_merge(hub: Any, timeout_s: float = SYNC_TIMEOUT_S):
+    """`hub.merge` over Ray for a PolicySync, waiting at most `timeout_s` (it runs in the engine thread, before a
+    request): an unresponsive hub costs a request that long at most. A push applied after the timeout is harmless
+    (pushes are cumulative, so the next one supersedes it)."""
+
+    def merge(replica: str, pushed: dict) -> dict:
+        ref = hub.merge.remote(replica, pushed)
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(f"the policy hub did not answer within {timeout_s:g} s") from None
+
+    return merge
 
 
 class SyncedDecoder(Decoder):
@@ -127,9 +218,10 @@ class SyncedDecoder(Decoder):
     sync: PolicySync | None = None
 
     def stream(self, *args, **kwargs):
+        generation = super().stream(*args, **kwargs)  # the request's policy exists now: a new one joins this sync
         if self.sync is not None:
             self.sync.maybe_sync()
-        return super().stream(*args, **kwargs)
+        return generation
 
 
 def _holder() -> dict[str, Any]:
@@ -150,7 +242,13 @@ class MetasdReplica:
     """One replica: a Decoder and the app `create_app` builds over it."""
 
     def __init__(
-        self, decoder_options: dict, app_options: dict, threads: int | None = None, hub: Any = None, sync_s: float = 5.0
+        self,
+        decoder_options: dict,
+        app_options: dict,
+        threads: int | None = None,
+        hub: Any = None,
+        sync_s: float = 5.0,
+        sync_timeout_s: float = SYNC_TIMEOUT_S,
     ):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if threads:
@@ -161,7 +259,7 @@ class MetasdReplica:
 
         self.decoder = SyncedDecoder(**decoder_options)
         if hub is not None and self.decoder.policy_scope == "server":
-            self.decoder.sync = PolicySync(self.decoder, lambda deltas: ray.get(hub.merge.remote(deltas)), sync_s)
+            self.decoder.sync = PolicySync(self.decoder, remote_merge(hub, sync_timeout_s), sync_s)
             self.decoder.sync.maybe_sync()  # start from what the other replicas learned
         self.metasd_app = create_app(self.decoder, **app_options)  # `app` is Serve's: the wrapped ingress
         _holder()["app"] = self.metasd_app
@@ -186,7 +284,9 @@ def build(
     """The Serve application (and its hub) for `serve.run`; call after ray.init."""
     hub = None
     if decoder_options.get("policy_scope") == "server":
-        hub = ray.remote(num_cpus=0)(PolicyHub).options(name=HUB_NAME, get_if_exists=True).remote()
+        # restarted by Ray if it dies: empty, with a new epoch, and rebuilt from the replicas' next pushes
+        actor = ray.remote(num_cpus=0, max_restarts=-1)(PolicyHub)
+        hub = actor.options(name=HUB_NAME, get_if_exists=True).remote()
     cpus = replica_cpus if replica_cpus is not None else 1
     deployment = MetasdReplica.options(
         # Ray hides GPUs from actors that reserve none: `--device cuda` reserves one per replica

@@ -267,6 +267,8 @@ class _Engine:
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
         self.busy = False
         self._stopping = threading.Event()
+        self._ended = False  # the worker left its loop (stopped, or died): nothing queued would ever run
+        self._lock = threading.Lock()  # orders submit against the worker's last drain of the queue
         self._thread = threading.Thread(target=self._loop, name="metasd-engine", daemon=True)
         metrics.waiting.set_function(self.jobs.qsize)
         metrics.running.set_function(lambda: int(self.busy))
@@ -291,26 +293,51 @@ class _Engine:
         self._thread.join(timeout=30)
 
     def submit(self, job: _Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise ApiError(
-                429,
-                f"the server is busy: {self.jobs.maxsize} requests are already waiting (--max-queue); retry later",
-                code="queue_full",
-                kind="rate_limit_error",
-            ) from None
+        with self._lock:
+            if self._ended or not self.alive:  # a dead worker: answer now rather than queue a job nobody runs
+                raise self._unavailable()
+            try:
+                self.jobs.put_nowait(job)
+            except queue.Full:
+                raise ApiError(
+                    429,
+                    f"the server is busy: {self.jobs.maxsize} requests are already waiting (--max-queue); retry later",
+                    code="queue_full",
+                    kind="rate_limit_error",
+                ) from None
+
+    def _unavailable(self) -> ApiError:
+        if self._stopping.is_set():
+            return ApiError(503, "the server is shutting down", kind="server_error")
+        return ApiError(
+            503, "the decoding thread has stopped (see the server log); restart the server", kind="server_error"
+        )
 
     def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            self.busy = True
-            try:
-                self._serve(job)
-            except Exception as err:  # a bug fails its request, never the worker
-                log.exception("request failed")
-                job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
-            finally:
-                self.busy = False
+        job = None
+        try:
+            while (job := self.jobs.get()) is not None:
+                self.busy = True
+                try:
+                    self._serve(job)
+                except Exception as err:  # a bug fails its request, never the worker
+                    log.exception("request failed")
+                    job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
+                finally:
+                    self.busy = False
+                job = None
+        finally:  # stopped, or killed by what `except Exception` lets through: fail every job that would wait forever
+            with self._lock:
+                self._ended = True
+                if job is not None:  # the request it was serving (a stream gets the error as its last event)
+                    job.emit("error", self._unavailable())
+                while True:
+                    try:
+                        waiting = self.jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if waiting is not None:
+                        waiting.emit("error", self._unavailable())
 
     def _start(self, job: _Job) -> Generation:
         """Everything that can reject a request, before any decoding: raises ApiError."""

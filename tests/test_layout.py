@@ -1,0 +1,67 @@
+"""The package's shape: no import cycle between its modules (lazy imports included), the engine knows nothing of
+the layers above it, and no module opens with more than a short docstring."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MODULES = {}
+for path in SRC.rglob("*.py"):
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    MODULES[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+
+def imports(module: str) -> set[str]:
+    """The package's modules that `module` imports anywhere in its body."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            subs = [f"{target}.{alias.name}" for alias in node.names]
+            found.update(s for s in subs if s in MODULES)
+            if any(s not in MODULES for s in subs) and target in MODULES:
+                found.add(target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in MODULES)
+    return found - {module}
+
+
+def test_no_import_cycles():
+    graph = {m: imports(m) for m in MODULES}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in sorted(graph[module]):
+            assert state.get(nxt) != 1, " -> ".join([*path, module, nxt])
+            if nxt not in state:
+                visit(nxt, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+
+
+def test_the_engine_does_not_reach_up():
+    above = ("metasd.cli", "metasd.serving", "metasd.bench", "metasd.specialists")
+    for module in MODULES:
+        if module.startswith(above) or module == "metasd":
+            continue
+        reached = {m for m in imports(module) if m.startswith(above)}
+        assert not reached, f"{module} imports {sorted(reached)}"
+
+
+def test_module_docstrings_are_short():
+    for module, path in MODULES.items():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        assert len(doc.splitlines()) <= 15, f"{module}: a {len(doc.splitlines())}-line docstring"
+
+
+def test_argparse_lives_in_the_cli():
+    for module, path in MODULES.items():
+        if not module.startswith("metasd.cli"):
+            assert "argparse" not in path.read_text(), module
