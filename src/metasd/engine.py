@@ -11,7 +11,7 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +28,7 @@ from .policy.adaptive import AdaptivePolicy
 from .processors import process, target_processors
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats, Round
-from .verify import verify_greedy, verify_sampling
+from .verify import Verdict, verify_greedy, verify_sampling
 
 _POLICY_CACHE = 64  # policies kept per decoder (LRU): clients can name many distinct policies and pools
 
@@ -41,6 +41,35 @@ class GenerationResult:
     token_ids: list[int]  # generated ids only
     stats: GenerationStats
     finish_reason: str  # "stop" (end-of-sequence token) or "length" (max_new_tokens)
+
+
+@dataclass
+class _Clock:
+    """A round's timestamps (time.perf_counter), named by what had just happened."""
+
+    started: float = field(default_factory=lambda: time.perf_counter())
+    chosen: float = 0.0  # the policy chose (drafter, k)
+    drafted: float = 0.0  # the chosen drafter drafted
+    verifying: float = 0.0  # any continuation appended; the target's forward starts
+    forwarded: float = 0.0  # the target's forward returned
+    verified: float = 0.0  # the acceptance rule decided
+    finished: float = 0.0  # the policy learned, caches synced
+
+    @property
+    def draft_seconds(self) -> float:
+        return self.drafted - self.chosen
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.forwarded - self.verifying
+
+    @property
+    def verify_seconds(self) -> float:
+        return self.verified - self.verifying
+
+    @property
+    def total_seconds(self) -> float:
+        return self.finished - self.started
 
 
 class Decoder:
@@ -288,8 +317,7 @@ class Generation:
 
     def _round(self, context: list[int], generator: torch.Generator, synced: dict[str, int]) -> list[int]:
         """Choose, draft, verify, learn: extends context by the tokens this round adds, and returns them."""
-        dec, params, policy, costs = self.decoder, self.params, self.policy, self.decoder._costs
-        started = time.perf_counter()
+        policy, clock = self.policy, _Clock()
         remaining = self.max_new_tokens - len(self.token_ids)
         limit = min(self.max_draft, remaining - 1)
         # tokens each model drafter must take in before drafting: the prompt on its first draft, then what it missed
@@ -299,36 +327,15 @@ class Generation:
         arm, k = (None, 0)
         if policy is not None and limit > 0:
             arm, k = policy.choose(limit, proposals, lags, remaining=remaining, fresh=fresh)
-        chosen = time.perf_counter()
+        clock.chosen = time.perf_counter()
         draft = self._draft(arm, k, context, proposals, generator)
-        drafted = time.perf_counter()
+        clock.drafted = time.perf_counter()
         draft, extension = self._continue(arm, draft, context, limit)
-        verifying = time.perf_counter()
-        fed = dec._lm.fed_tokens
-        logits = dec._lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
-        forwarded = time.perf_counter()
-        if self.processors is not None:  # row j as generate processes it after context + draft[:j]
-            logits = process(self.processors, logits, context, draft.tokens)
-        prefilled = dec._lm.fed_tokens - fed > len(draft.tokens) + 1  # the prompt's prefill rode along: no T(M)
-        p = None if params.greedy else probabilities(logits, params)
-        verdict = (
-            verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens, generator)
-        )
-        verified = time.perf_counter()
+        verdict, p, prefilled = self._verify(context, draft, generator, clock)
         new = self._emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
         start = len(context)
         context += new
         self.token_ids += new
-        drafter = self.pool[arm] if arm is not None else None
-        draft_time = proposal_times.get(arm, 0.0) + (drafted - chosen)
-        verify_time = verified - verifying
-        # The rewards see what a round costs in steady state: no prompt prefill, the target's or the drafter's
-        # (a fresh drafter's first draft takes in the prompt), just as T(M) and the step costs leave them out.
-        reward_draft_time, reward_verify_time = draft_time, verify_time
-        if costs is not None and prefilled:
-            reward_verify_time = costs.target(len(draft.tokens) + 1) + (verified - forwarded)
-        if costs is not None and drafter is not None and fresh[arm]:
-            reward_draft_time = draft.forwards * costs.drafter(drafter.name).step_time(costs.target(1))
         outcome = RoundOutcome(
             arm=arm,
             k=k,
@@ -339,36 +346,29 @@ class Generation:
             p=p,
             target_tokens=verdict.target_tokens,
             proposals=proposals,
-            draft_time=reward_draft_time,
-            verify_time=reward_verify_time,
-            plain_step_time=costs.target(1) if costs else 0.0,
             extension=extension,
+            **self._reward_times(arm, draft, proposal_times.get(arm, 0.0), clock, prefilled, fresh),
         )
         score = policy.feedback(outcome) if policy is not None else None
-        taken_in = lags[arm] if arm is not None else 0
-        missed = taken_in - len(self.prompt) if arm is not None and fresh[arm] else taken_in  # the prompt is no miss
-        if drafter and drafter.has_cache:  # its cache holds the context it drafted from and forwards - 1 of its
-            # tokens; what of those the round accepted it need not take in again
+        drafter = self.pool[arm] if arm is not None else None
+        if drafter is not None and drafter.has_cache:  # its cache holds the context it drafted from and forwards - 1
+            # of its tokens; those the round accepted it need not take in again
             synced[drafter.name] = start + min(max(draft.forwards - 1, 0), verdict.accepted)
             self._drafted.add(drafter.name)
-        finished = time.perf_counter()
-        if costs is not None:  # the machine's costs, whatever the policy: every round is a measurement (but prefills)
-            if not prefilled:
-                costs.target.observe(len(draft.tokens) + 1, forwarded - verifying)
-            if drafter and arm not in proposals:
-                costs.drafter(drafter.name).observe(draft.forwards, taken_in, drafted - chosen)
-            regime = "greedy" if params.greedy else "sampled"
-            costs.overhead[regime].add(max((finished - started) - (drafted - chosen) - (forwarded - verifying), 0.0))
+        clock.finished = time.perf_counter()
+        taken_in = lags[arm] if arm is not None else 0
+        self._measure(drafter, draft, taken_in, clock, prefilled, free=arm in proposals)
+        draft_time = proposal_times.get(arm, 0.0) + clock.draft_seconds
         self.stats.rounds.append(
             Round(
                 drafter=drafter.name if drafter else None,
                 drafted=len(draft.tokens),
                 accepted=min(verdict.accepted, len(new)),
                 reward=score,
-                catch_up=missed,
+                catch_up=taken_in - len(self.prompt) if arm is not None and fresh[arm] else taken_in,  # no prompt
                 draft_time=draft_time,
-                verify_time=verify_time,
-                policy_time=(finished - started) - draft_time - verify_time,
+                verify_time=clock.verify_seconds,
+                policy_time=clock.total_seconds - draft_time - clock.verify_seconds,
                 emitted=len(new),
                 chosen_k=k,
                 extended=len(draft.tokens) - outcome.own,
@@ -376,6 +376,57 @@ class Generation:
             )
         )
         return new
+
+    def _verify(
+        self, context: list[int], draft: Draft, generator: torch.Generator, clock: _Clock
+    ) -> tuple[Verdict, torch.Tensor | None, bool]:
+        """One target forward over the draft, the target's own logits processors, the acceptance rule: the verdict,
+        p (sampling only), and whether the forward also prefilled the prompt (then it is no measure of T(M))."""
+        lm, params = self.decoder._lm, self.params
+        clock.verifying = time.perf_counter()
+        fed = lm.fed_tokens
+        logits = lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
+        clock.forwarded = time.perf_counter()
+        if self.processors is not None:  # row j as generate processes it after context + draft[:j]
+            logits = process(self.processors, logits, context, draft.tokens)
+        prefilled = lm.fed_tokens - fed > len(draft.tokens) + 1
+        p = None if params.greedy else probabilities(logits, params)
+        verdict = (
+            verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens, generator)
+        )
+        clock.verified = time.perf_counter()
+        return verdict, p, prefilled
+
+    def _reward_times(
+        self, arm: int | None, draft: Draft, proposal_time: float, clock: _Clock, prefilled: bool, fresh: list[bool]
+    ) -> dict[str, float]:
+        """The times the policy's reward sees: what the round costs in steady state. A prompt prefill (the target's,
+        or a fresh model drafter's first draft taking in its own copy) is replaced by the cost model's estimate of
+        the same round without it, as T(M) and the step costs leave prefills out."""
+        costs = self.decoder._costs
+        draft_time, verify_time = proposal_time + clock.draft_seconds, clock.verify_seconds
+        if costs is None:
+            return {"draft_time": draft_time, "verify_time": verify_time, "plain_step_time": 0.0}
+        if prefilled:
+            verify_time = costs.target(len(draft.tokens) + 1) + (clock.verified - clock.forwarded)
+        if arm is not None and fresh[arm]:
+            draft_time = draft.forwards * costs.drafter(self.pool[arm].name).step_time(costs.target(1))
+        return {"draft_time": draft_time, "verify_time": verify_time, "plain_step_time": costs.target(1)}
+
+    def _measure(
+        self, drafter: Drafter | None, draft: Draft, taken_in: int, clock: _Clock, prefilled: bool, free: bool
+    ) -> None:
+        """The machine's costs, whatever the policy: every round is a measurement (but prefills). T(M) is the
+        forward alone; the acceptance rule, processing and bookkeeping go to the regime's per-round overhead."""
+        costs = self.decoder._costs
+        if costs is None:
+            return
+        if not prefilled:
+            costs.target.observe(len(draft.tokens) + 1, clock.forward_seconds)
+        if drafter is not None and not free:
+            costs.drafter(drafter.name).observe(draft.forwards, taken_in, clock.draft_seconds)
+        regime = "greedy" if self.params.greedy else "sampled"
+        costs.overhead[regime].add(max(clock.total_seconds - clock.draft_seconds - clock.forward_seconds, 0.0))
 
     def _proposals(self, context: list[int], k: int) -> tuple[dict[int, Draft], dict[int, float]]:
         """Every free drafter's k-token proposal (microseconds each), for policies that choose or learn from them."""
