@@ -408,7 +408,7 @@ def test_policy_scope_server_keeps_learning_and_request_scope_resets(small, http
     assert fresh["policy"]["pulls"] == {n: fresh["drafters"].get(n, {"pulls": 0})["pulls"] for n in own}
 
 
-# --- hardening (issue 11): every request ends quickly with a clear answer and none stalls the others ---------------
+# --- hardening: every request ends quickly with a clear answer and none stalls the others ---------------
 
 STRICT_TEMPLATE = (  # as strict templates do (Mistral's, Gemma's): user and assistant turns must alternate
     "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"

@@ -33,7 +33,7 @@ from .history import DrafterHistory
 from .methods import DERIVED, lm_drafters, longest_draft, resolve_methods, uses_drafters
 from .oracles import question_oracle
 from .questions import Question
-from .run import WARMUP_PROMPT, BenchConfig, _loadavg, _select, drafter_weights, write_outputs
+from .run import WARMUP_PROMPT, BenchConfig, _loadavg, _select, bench_decoder, drafter_weights, write_outputs
 from .runners import engine_turn, hf_turn, measure_question, oracle_turn
 
 PARTIAL = "partial"
@@ -97,7 +97,6 @@ class QuestionBench:
         import transformers
 
         from ..drafters import parse_drafters
-        from ..engine import Decoder
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -105,17 +104,7 @@ class QuestionBench:
         self.cfg, self.worker, self.kill_after, self.done = cfg, worker, kill_after, 0
         started = time.perf_counter()
         specs = parse_drafters(cfg.drafters)
-        self.decoder = decoder = Decoder(
-            target=cfg.target,
-            drafters=specs,
-            policy="none",
-            draft_len=cfg.draft_len,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            seed=cfg.seed,
-            policy_scope=cfg.policy_scope,
-            kernels=cfg.kernels,
-        )
+        self.decoder = decoder = bench_decoder(cfg, specs)
         self.names = names = decoder.drafter_names
         self.methods = resolve_methods(cfg.methods, names, aliases=dict(zip(specs, names, strict=True)))
         self.pool = [decoder.drafters[n] for n in names]

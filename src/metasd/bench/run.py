@@ -89,7 +89,6 @@ def run_bench(cfg: BenchConfig) -> dict:
     import transformers
     from tqdm.auto import tqdm
 
-    from ..engine import Decoder
     from ..models.linear_kernels import installed
 
     if cfg.threads:
@@ -97,17 +96,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     transformers.utils.logging.set_verbosity_error()
     loadavg_start = _loadavg()
     started = time.perf_counter()
-    decoder = Decoder(
-        target=cfg.target,
-        drafters=specs,
-        policy="none",
-        draft_len=cfg.draft_len,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        seed=cfg.seed,
-        policy_scope=cfg.policy_scope,
-        kernels=cfg.kernels,
-    )
+    decoder = bench_decoder(cfg, specs)
     names = decoder.drafter_names
     methods = resolve_methods(cfg.methods, names, aliases=dict(zip(specs, names, strict=True)))
     pool = [decoder.drafters[n] for n in names]
@@ -244,6 +233,23 @@ def run_bench(cfg: BenchConfig) -> dict:
         }
     summary = summarize(results, questions, methods, names, tables, paths, config)
     return write_outputs(cfg, summary, results, questions, timed, names, tables, started)
+
+
+def bench_decoder(cfg: BenchConfig, specs: list[str]):
+    """The decoder every method of a run shares (each method names its own policy per request)."""
+    from ..engine import Decoder
+
+    return Decoder(
+        target=cfg.target,
+        drafters=specs,
+        policy="none",
+        draft_len=cfg.draft_len,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        seed=cfg.seed,
+        policy_scope=cfg.policy_scope,
+        kernels=cfg.kernels,
+    )
 
 
 def write_outputs(
