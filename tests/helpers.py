@@ -1,7 +1,10 @@
-"""Helpers shared by the tests: the target's own greedy reference and the chi-square check of sampled outputs."""
+"""Helpers shared by the tests: tiny random models, the target's own greedy reference and the chi-square check of
+sampled outputs."""
 
 import math
 from collections import Counter
+
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def greedy_reference(model, ids: list[int], max_new_tokens: int) -> list[int]:
@@ -32,3 +35,17 @@ def chi2_bound(df: int, z: float = 5.0) -> float:
     """Upper quantile of chi-square with df degrees of freedom at a normal z (Wilson-Hilferty); z = 5 is a tail of
     about 3e-7, so a correct sampler fails about never (the seeds make each run deterministic anyway)."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def tiny_llama(vocab_size: int = 64, layers: int = 1, positions: int = 128) -> LlamaForCausalLM:
+    """A random Llama small enough to build in milliseconds (hidden size 16, two heads), in eval mode."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+    )
+    return LlamaForCausalLM(config).eval()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama
 
 from metasd.cached_model import CachedModel, common_prefix
 
@@ -10,16 +10,7 @@ from metasd.cached_model import CachedModel, common_prefix
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(32, layers=2, positions=128)
 
 
 def reference(model, tokens, last=1):

@@ -5,26 +5,15 @@ import json
 
 import pytest
 import torch
-from helpers import greedy_reference
+from helpers import greedy_reference, tiny_llama
 
 from metasd import Decoder
 from metasd.models.linear_kernels import KERNELS, RoutedLinear, install, installed
 
 
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def seeded_llama():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(64, layers=2, positions=128)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
@@ -45,7 +34,7 @@ def test_weight_major_matches_torch_linear_with_and_without_bias(rows):
 
 
 def test_install_routes_by_row_count_and_leaves_longer_inputs_to_torch(monkeypatch):
-    model = tiny_llama()
+    model = seeded_llama()
     install(model, ["linear", "weight-major"])
     assert installed(model) == ["linear", "weight-major"]
     calls = []
@@ -64,7 +53,7 @@ def test_install_routes_by_row_count_and_leaves_longer_inputs_to_torch(monkeypat
 
 def test_a_copied_model_computes_with_its_own_weights():
     """A routed layer must not keep pointing at the original's weights once copied (distillation copies layers)."""
-    model = tiny_llama()
+    model = seeded_llama()
     install(model, ["weight-major"] * 4)
     clone = copy.deepcopy(model)
     ids = torch.arange(3)[None]

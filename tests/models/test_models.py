@@ -1,8 +1,9 @@
 """Model specs: the embedded default, local directories, and the errors for paths and tokenizers that do not fit."""
 
 import pytest
+from helpers import tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from metasd.drafters import build_drafter
 from metasd.models.loading import load_model, resolve_device
@@ -16,16 +17,7 @@ def foreign_model_dir(tmp_path_factory):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1").save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_llama(64, layers=1, positions=64).save_pretrained(path)
     return path
 
 

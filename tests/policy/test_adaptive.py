@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_llama
 
 from metasd import Decoder, Draft
 from metasd.costs import CostModel, DrafterCost, TargetCost, cache_file, calibration_key, load_or_calibrate
@@ -441,18 +442,8 @@ def test_greedy_block_divergence_is_one_scale_for_every_kind(embedded):
 
 @pytest.fixture()
 def tiny_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(64, layers=1, positions=512)
 
 
 def test_calibration_cache_round_trip_and_corrupt_or_foreign_files(tiny_model, tmp_path, monkeypatch):
