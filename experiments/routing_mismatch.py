@@ -20,12 +20,9 @@ import torch
 from metasd import Decoder
 from metasd.bench.questions import load_questions, select_questions
 from metasd.bench.spec_bench import spec_bench_questions
+from metasd.bench.summary import first_difference
 from metasd.models.linear_kernels import installed
 from metasd.models.loading import load_model
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
 @torch.inference_mode()
@@ -51,7 +48,7 @@ def main() -> None:
         ].tolist()
         at = first_difference(ours, reference)
         row = {"question_id": q.question_id, "category": q.category, "tokens": len(ours), "first_difference": at}
-        if at is not None:
+        if at is not None and at < min(len(ours), len(reference)):  # else one output ended early
             logits = plain(input_ids=torch.tensor([ids + reference[:at]])).logits[0, -1].float()
             top = torch.topk(logits, 2)
             row.update(
