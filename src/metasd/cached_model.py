@@ -31,16 +31,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class CachedModel:
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+    """keep_features: also keep the model's final-norm output (what its LM head reads) for every cached position,
+    cropped with the cache, for drafters that read the target's features (EAGLE heads): `features_for`."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, keep_features: bool = False):
         self.model = model
         self.vocab_size = vocab_size  # pad/trim logits to the target's vocabulary when the heads differ in size
         self.tokens: list[int] = []
         self.cache = DynamicCache(config=model.config)
         self.fed_tokens = 0  # tokens run through the model since the last reset (prefill + catch-up + drafts)
+        self.keep_features = keep_features
+        self.features: torch.Tensor | None = None  # [capacity, d]; rows [0, len(tokens)) are valid
         # The forward runs where the weights are (CPU, CUDA, MPS); its [last, V] logits come back to the CPU. The
         # acceptance rule, rewards and sampling then see only small CPU tensors and one CPU generator, so a seed
         # draws the same numbers on every device and no caller has to track devices.
         self.device = next(model.parameters()).device
+
+    def features_for(self, tokens: list[int]) -> torch.Tensor:
+        """The features [n, d] of the longest prefix of `tokens` this model has computed (on the model's device)."""
+        if self.features is None:
+            return torch.empty(0, 0)
+        return self.features[: common_prefix(self.tokens, tokens)]
 
     def reset(self) -> None:
         self.tokens = []
@@ -57,7 +68,10 @@ class CachedModel:
             self.cache.crop(keep - len(self.tokens))
         new = tokens[keep:]
         ids = torch.tensor([new], device=self.device)
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last)
+        if self.keep_features:
+            out = self._forward_keeping_features(ids, keep, last)
+        else:
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last)
         if self.cache.get_seq_length() != len(tokens):
             # e.g. a transformers release whose forward ignores `cache=`: decoding would go on from garbage
             raise RuntimeError(
@@ -70,6 +84,23 @@ class CachedModel:
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = _fit(logits, self.vocab_size)
         return logits
+
+    def _forward_keeping_features(self, ids: torch.Tensor, keep: int, last: int):
+        captured = []
+        hook = self.model.get_decoder().norm.register_forward_hook(lambda m, a, out: captured.append(out))
+        try:  # hooked for this forward only: the weights may be shared with other caches (an lm: drafter)
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last)
+        finally:
+            hook.remove()
+        new = captured[-1][0]
+        end = keep + new.shape[0]
+        if self.features is None or self.features.shape[0] < end:
+            grown = torch.empty(max(2 * end, 256), new.shape[-1], dtype=new.dtype, device=new.device)
+            if self.features is not None:
+                grown[:keep] = self.features[:keep]
+            self.features = grown
+        self.features[keep:end] = new
+        return out
 
 
 def _fit(logits: torch.Tensor, size: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from .cached_model import CachedModel
 from .costs import CostModel, TargetCost, load_or_calibrate
-from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, parse_drafters
+from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, default_pool, parse_drafters
 from .drafters.base import StoppableDrafter
 from .models.linear_kernels import KERNEL_MODES
 from .models.loading import LoadedModel, load_model
@@ -97,7 +97,10 @@ class Decoder:
         target_processors(self.target.model, 1, 1, self.target.spec)  # refuse what its generate does unlike us
         self.tokenizer = self.target.tokenizer
         self.drafters: dict[str, Drafter] = {}
-        for item in parse_drafters(drafters) if isinstance(drafters, str) else drafters:
+        items = parse_drafters(drafters) if isinstance(drafters, str) else list(drafters)
+        if tuple(items) == DEFAULT_POOL:
+            items = default_pool(self.target)
+        for item in items:
             drafter = item if isinstance(item, Drafter) else build_drafter(item, self.target, dtype)  # spec or object
             if drafter.name in self.drafters:
                 raise ValueError(f"drafter pool lists {drafter.name!r} twice")
@@ -107,7 +110,10 @@ class Decoder:
         self.kernels = kernels
         self.seed = seed
         self.default_policy = policy
-        self._lm = CachedModel(self.target.model)
+        readers = [d for d in self.drafters.values() if getattr(d, "reads_target_features", False)]
+        self._lm = CachedModel(self.target.model, keep_features=bool(readers))  # EAGLE heads read its features
+        for drafter in readers:
+            drafter.read_features_from(self._lm)
         self._policies: OrderedDict[tuple[str, tuple[str, ...]], Policy | None] = OrderedDict()
         self._costs: CostModel | None = None
         # calibrate now whatever the policy: it also picks the target's linear kernels, and every request (plain

@@ -70,7 +70,8 @@ def acceptance_table(
     A model drafter (`has_cache`) drafts greedily one token at a time from context + its own tokens, so while its
     tokens match the reference, drafting k tokens equals probing one token at a time along the reference; the probe
     stops at the first mismatch, which costs accepted + 1 forwards instead of k. Model-free drafters (n-gram lookup,
-    suffix index) may draft a block from one match, so they are asked for the whole block.
+    suffix index) may draft a block from one match, so they are asked for the whole block, as are EAGLE heads (they
+    read the target's features of the context, which the target's cache holds after the reference's decoding).
     """
     params = SamplingParams()
     for d in drafters:
@@ -78,7 +79,12 @@ def acceptance_table(
     n = len(reference)
     accepted = np.zeros((n, len(drafters)), dtype=np.int64)
     budgets = np.array([draft_budget(p, max_draft, max_new_tokens) for p in range(n)], dtype=np.int64)
-    per_token = np.array([bool(getattr(d, "has_cache", False)) for d in drafters], dtype=bool)
+    # an EAGLE head drafts its later tokens from its own predicted features, not the target's: probing it along the
+    # reference would feed it the true ones, so it is asked for whole blocks like the model-free drafters
+    per_token = np.array(
+        [bool(getattr(d, "has_cache", False)) and not getattr(d, "reads_target_features", False) for d in drafters],
+        dtype=bool,
+    )
     seconds = np.zeros(len(drafters))
     calls = np.zeros(len(drafters))
     for i, d in enumerate(drafters):  # untimed: a model drafter's first call prefills the prompt, no draft cost

@@ -1,4 +1,4 @@
-"""Drafters, one kind per file, built from specs like `ngram`, `suffix`, `early-exit:8`, `lm:PATH`, `lm:PATH:int8`."""
+"""Drafters, one kind per file, built from specs like `eagle`, `ngram`, `suffix`, `early-exit:8`, `lm:PATH:int8`."""
 
 from __future__ import annotations
 
@@ -6,17 +6,30 @@ from ..models.int8_weights import WEIGHTS, split_weights
 from ..models.loading import LoadedModel, load_model, same_tokenizer
 from .base import Draft, Drafter
 from .datastore import DatastoreDrafter, load_datastore
+from .eagle import build_eagle, shipped_head
 from .early_exit import EarlyExitDrafter
 from .lm import ModelDrafter
 from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
-DRAFTER_KINDS = ("ngram[:MAX_N]", "suffix[:DEPTH]", "early-exit[:LAYERS]", "lm:MODEL[:WEIGHTS]", "datastore:PATH")
-# The pool of `generate`, `serve`, `bench` and `Decoder` when none is given: model-free drafters only, nothing to
-# download and nothing that costs a forward when it is not used (chosen by measurement: see docs/decisions.md).
-DEFAULT_POOL = ("ngram", "suffix")
+DRAFTER_KINDS = (
+    "eagle[:HEAD_DIR]",
+    "ngram[:MAX_N]",
+    "suffix[:DEPTH]",
+    "early-exit[:LAYERS]",
+    "lm:MODEL[:WEIGHTS]",
+    "datastore:PATH",
+)
+# The pool of `generate`, `serve`, `bench` and `Decoder` when none is given: the EAGLE head shipped for the target
+# (where metasd ships one: `default_pool` drops it otherwise) and the model-free copy drafters (docs/decisions.md).
+DEFAULT_POOL = ("eagle", "ngram", "suffix")
 
-__all__ = ["DEFAULT_POOL", "DRAFTER_KINDS", "Draft", "Drafter", "build_drafter", "parse_drafters"]
+__all__ = ["DEFAULT_POOL", "DRAFTER_KINDS", "Draft", "Drafter", "build_drafter", "default_pool", "parse_drafters"]
+
+
+def default_pool(target: LoadedModel) -> list[str]:
+    """DEFAULT_POOL for this target: without `eagle` when no shipped head fits it."""
+    return [s for s in DEFAULT_POOL if s != "eagle" or shipped_head(target.model) is not None]
 
 
 def _int_arg(spec: str, arg: str) -> int:
@@ -29,6 +42,8 @@ def _int_arg(spec: str, arg: str) -> int:
 def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Drafter:
     """Build one drafter for this target; raises ValueError for unknown kinds and incompatible models."""
     kind, _, arg = spec.strip().partition(":")
+    if kind == "eagle":
+        return build_eagle(arg, target)
     if kind == "ngram":
         return NgramDrafter(max_ngram=_int_arg(spec, arg) if arg else 3, name=spec)
     if kind == "suffix":

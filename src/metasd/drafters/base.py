@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, pick
 
 
 @dataclass
@@ -103,3 +104,31 @@ class Drafter(Protocol):
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         """Up to k tokens to follow context (fewer or none is allowed), drawn under params."""
+
+
+def draft_autoregressively(
+    next_q: Callable[[list[int]], torch.Tensor],
+    context: list[int],
+    k: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    stop: StopRule | None,
+) -> Draft:
+    """A model drafter's draft: up to k tokens, each drawn from next_q(sequence so far), one forward per call; the
+    stop rule may end it before token j is drawn or after it (`StopRule`). Each token's confidence is the largest
+    probability of its q (for greedy drafting, that of the token itself)."""
+    seq = list(context)
+    rows: list[torch.Tensor] = []
+    confidence: list[float] = []
+    forwards = 0
+    for j in range(k):
+        q = next_q(seq)
+        forwards += 1
+        if stop is not None and stop.before(j, q):
+            break
+        seq.append(pick(q, params, generator))
+        rows.append(q)
+        confidence.append(float(q.max()))
+        if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
+            break
+    return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence, forwards)

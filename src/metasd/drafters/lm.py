@@ -6,8 +6,8 @@ import torch
 
 from ..cached_model import CachedModel
 from ..models.int8_weights import drafting_weights
-from ..sampling import SamplingParams, pick, probabilities
-from .base import Draft, StopRule
+from ..sampling import SamplingParams, probabilities
+from .base import Draft, StopRule, draft_autoregressively
 
 
 class ModelDrafter:
@@ -39,23 +39,8 @@ class ModelDrafter:
         generator: torch.Generator | None,
         stop: StopRule | None,
     ) -> Draft:
-        """Up to k tokens; the stop rule may end the draft before token j is drawn or after it (`StopRule`).
-
-        Each token's confidence is the largest probability of its q (for greedy drafting, that of the token itself).
-        logits_for() first catches the cache up on whatever context it has not seen (missed rounds, rejections).
-        """
-        seq = list(context)
-        rows: list[torch.Tensor] = []
-        confidence: list[float] = []
-        forwards = 0
-        for j in range(k):
-            q = probabilities(self.lm.logits_for(seq), params)[0]
-            forwards += 1
-            if stop is not None and stop.before(j, q):
-                break
-            seq.append(pick(q, params, generator))
-            rows.append(q)
-            confidence.append(float(q.max()))
-            if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
-                break
-        return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence, forwards)
+        """Up to k tokens (`draft_autoregressively`). logits_for() first catches the cache up on whatever context
+        it has not seen (missed rounds, rejections)."""
+        return draft_autoregressively(
+            lambda seq: probabilities(self.lm.logits_for(seq), params)[0], context, k, params, generator, stop
+        )

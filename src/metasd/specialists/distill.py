@@ -199,12 +199,12 @@ def _examples(rows: list[dict], max_len: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def _batches(examples: list[tuple[list[int], int]], batch_tokens: int) -> list[list[int]]:
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped by length so that a batch pads little and holds about batch_tokens (padded) tokens."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, current, width = [], [], 0
     for i in order:
-        n = len(examples[i][0])
+        n = lengths[i]
         if current and max(width, n) * (len(current) + 1) > batch_tokens:
             batches.append(current)
             current, width = [], 0
@@ -245,7 +245,7 @@ def acceptance(drafter, examples, k: int, pad: int, batch_tokens: int = 4096) ->
     then the target adds one."""
     drafter.eval()
     rounds = tokens = agree = total = 0
-    for indices in _batches(examples, batch_tokens):
+    for indices in length_batches([len(t) for t, _ in examples], batch_tokens):
         inputs, mask, labels = _tensors(examples, indices, pad)
         hidden = drafter.base_model(input_ids=inputs, attention_mask=mask).last_hidden_state
         for row in range(len(indices)):
@@ -341,7 +341,7 @@ def distill(
         step, meta = int(ckpt["step"]), ckpt.get("meta", {})
     if "before" not in meta and held:
         meta["before"] = acceptance(drafter, held, draft_len, pad)
-    batches = _batches(train, batch_tokens)
+    batches = length_batches([len(t) for t, _ in train], batch_tokens)
     train_started = time.perf_counter()
     trained_before = meta.get("train_seconds", 0.0)
     losses: list[float] = []

@@ -1,0 +1,119 @@
+"""`metasd train-eagle`: train an EAGLE head (the `eagle:DIR` drafter) on the target's own answers and features."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from .args import add_target_arg, set_threads
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-eagle", help="train an EAGLE head that drafts from the target's features (eagle:DIR)")
+    add_target_arg(p, use="the target the head drafts for: ")
+    p.add_argument("--dtype", default="float32", help="the target's dtype while writing the corpus and training")
+    p.add_argument(
+        "--prompts", nargs="+", required=True, help="JSONL prompt files (metasd distill's formats), interleaved"
+    )
+    p.add_argument("--out", required=True, help="the head directory to write (eagle:OUT loads it)")
+    p.add_argument("--corpus", default=None, help="where the target's answers and features go (default: OUT/corpus)")
+    p.add_argument(
+        "--texts",
+        nargs="*",
+        default=[],
+        help="JSONL conversations the target reads (prefill only: its features on them, no answers) as more data",
+    )
+    p.add_argument("--texts-corpus", default=None, help="where their features go (default: OUT/texts)")
+    p.add_argument("--texts-tokens", type=int, default=None, help="stop reading texts after this many tokens")
+    p.add_argument("--max-text-tokens", type=int, default=1024, help="each conversation's first N tokens")
+    p.add_argument("--corpus-tokens", type=int, default=None, help="stop writing the corpus after this many tokens")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="target answer length (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
+    p.add_argument("--gen-batch", type=int, default=48, help="prompts the target answers at once (default: 48)")
+    p.add_argument("--epochs", type=float, default=2.0, help="passes over the corpus (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine to 0 (default: %(default)s)")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded positions per step (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from ..models.loading import load_model
+    from ..specialists.eagle_corpus import (
+        encode_documents,
+        encode_prompts,
+        read_corpus,
+        read_prompt_files,
+        write_corpus,
+    )
+    from ..specialists.eagle_train import TrainConfig, train_head
+
+    set_threads(args.threads)
+    for name in (
+        "corpus_tokens",
+        "texts_tokens",
+        "max_text_tokens",
+        "max_new_tokens",
+        "max_prompt_tokens",
+        "gen_batch",
+        "batch_tokens",
+        "draft_vocab",
+    ):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    out = Path(args.out)
+    corpus_dir = Path(args.corpus) if args.corpus else out / "corpus"
+    target = load_model(args.target, args.dtype)
+    prompts = encode_prompts(target.tokenizer, read_prompt_files(args.prompts), args.max_prompt_tokens)
+    started = time.perf_counter()
+    with tqdm(unit="batch", desc="target answers", disable=args.quiet) as bar:
+
+        def answered(done: int, total: int, tokens: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+            bar.set_postfix(tokens=tokens)
+
+        corpus = write_corpus(
+            target,
+            prompts,
+            corpus_dir,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.gen_batch,
+            max_tokens=args.corpus_tokens,
+            progress=answered,
+        )
+        seqs = read_corpus(corpus_dir)
+        texts = None
+        if args.texts:
+            bar.reset()
+            bar.set_description("texts read")
+            texts = write_corpus(
+                target,
+                encode_documents(target.tokenizer, args.texts, args.max_text_tokens),
+                Path(args.texts_corpus) if args.texts_corpus else out / "texts",
+                max_new_tokens=0,
+                batch_size=8,
+                max_tokens=args.texts_tokens,
+                progress=answered,
+            )
+            seqs += read_corpus(Path(args.texts_corpus) if args.texts_corpus else out / "texts")
+    corpus_seconds = time.perf_counter() - started
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab)
+    with tqdm(unit="step", desc="training", disable=args.quiet) as bar:
+
+        def trained(step: int, steps: int, metrics: dict) -> None:
+            bar.total = steps
+            bar.update(step - bar.n)
+            bar.set_postfix({k: round(v, 3) for k, v in metrics.items()})
+
+        out.mkdir(parents=True, exist_ok=True)
+        summary = train_head(target, seqs, out, cfg, checkpoint=out / "checkpoint.pt", progress=trained)
+    report = {"corpus": corpus, "texts": texts, "corpus_wall_seconds": round(corpus_seconds, 1), "training": summary}
+    print(json.dumps(report, indent=1))

@@ -1,0 +1,143 @@
+"""A white-box drafter: an EAGLE head (arXiv 2401.15077) reading the target's own features (`eagle:PATH`).
+
+The target's cache keeps its final-norm features of every position it has verified (`CachedModel.features_for`);
+the head turns (feature of position i, token i + 1) into a predicted feature of position i + 1, read out by the
+target's LM head over the draft vocabulary. Its own KV cache holds one entry per such pair and mirrors a token list
+like `CachedModel` does: entries built from the target's true features are kept while their tokens match the
+context, entries built from drafted (predicted) features are dropped before the next draft, so it cannot drift.
+It draws from q and sends q (zero outside the draft vocabulary), so sampled verification stays exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from ..cached_model import CachedModel, common_prefix
+from ..models.eagle_head import EagleHead, load_head
+from ..sampling import SamplingParams, probabilities
+from .base import Draft, StopRule, draft_autoregressively
+
+SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # package data: a directory per shipped head
+
+
+def shipped_head(model: torch.nn.Module) -> Path | None:
+    """The head shipped with metasd for this target model, if any (`eagle` with no path)."""
+    for path in sorted(SHIPPED.glob("*/config.json")) if SHIPPED.is_dir() else []:
+        try:
+            load_head(path.parent, model)
+        except ValueError:
+            continue
+        return path.parent
+    return None
+
+
+class EagleDrafter:
+    has_cache = True
+    reads_target_features = True
+
+    def __init__(self, head: EagleHead, target: torch.nn.Module, name: str, vocab_size: int):
+        self.name = name
+        param = next(target.parameters())
+        self.head = head.to(device=param.device, dtype=param.dtype).eval()
+        self.embed = target.get_input_embeddings()
+        self.readout = target.get_output_embeddings().weight[head.draft_vocab].detach()
+        self.vocab_size = vocab_size
+        self.target_lm: CachedModel | None = None
+        self.reset_cache()
+
+    def read_features_from(self, target_lm: CachedModel) -> None:
+        """The decoder's target cache, whose features of verified positions the head reads."""
+        if not target_lm.keep_features:
+            raise ValueError("an EAGLE drafter needs a target cache that keeps its features (keep_features=True)")
+        self.target_lm = target_lm
+
+    def reset_cache(self) -> None:
+        self.cache = DynamicCache(config=self.head.body.config)
+        self.pairs: list[int] = []  # token i + 1 of each cached entry i
+        self.exact = 0  # entries [0, exact) were built from the target's true features
+
+    def begin(self, prompt: list[int]) -> None:
+        self.reset_cache()
+
+    def end(self, context: list[int]) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+        return self.propose_until(context, k, params, generator, None)
+
+    def propose_until(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        stop: StopRule | None,
+    ) -> Draft:
+        """Up to k tokens (`draft_autoregressively`); none before the target has verified the context (its first
+        round: there are no features of the prompt yet)."""
+        if self.target_lm is None:
+            raise RuntimeError(f"{self.name}: no target cache attached (Decoder does it; see read_features_from)")
+        features = self.target_lm.features_for(context)
+        if len(context) < 2 or features.shape[0] < len(context) - 1:
+            return Draft([], None, [], 0)
+        state = {"hidden": None}
+
+        def next_q(seq: list[int]) -> torch.Tensor:
+            if state["hidden"] is None:
+                state["hidden"] = self._catch_up(context, features)
+            else:  # the token just drafted, with the head's own predicted feature of its position
+                state["hidden"] = self._step(state["hidden"], seq[-1])
+            return probabilities(self._logits(state["hidden"]), params)[0]
+
+        return draft_autoregressively(next_q, context, k, params, generator, stop)
+
+    @torch.inference_mode()
+    def _catch_up(self, context: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Entries for pairs (f_i, context[i + 1]) up to the last one; returns the head's output there [1, d]."""
+        valid = min(self.exact, common_prefix(self.pairs, context[1:]))
+        end = len(context) - 1
+        valid = min(valid, end - 1)  # the last entry is always run: its output predicts the first draft token
+        if valid <= 0:
+            self.reset_cache()
+            valid = 0
+        elif valid < self.cache.get_seq_length():
+            self.cache.crop(valid - self.cache.get_seq_length())
+        ids = torch.tensor([context[valid + 1 : end + 1]], device=features.device)
+        hidden = self.head(features[valid:end].unsqueeze(0), self.embed(ids), cache=self.cache)
+        self.pairs = list(context[1 : end + 1])
+        self.exact = end
+        return hidden[:, -1]
+
+    @torch.inference_mode()
+    def _step(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
+        ids = torch.tensor([[token]], device=hidden.device)
+        out = self.head(hidden.unsqueeze(1), self.embed(ids), cache=self.cache)
+        self.pairs.append(token)
+        return out[:, -1]
+
+    @torch.inference_mode()
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [1, V] on the CPU: the draft vocabulary's, -inf elsewhere (q is 0 there)."""
+        logits = torch.full((1, self.vocab_size), float("-inf"))
+        logits[0, self.head.draft_vocab.cpu()] = (hidden @ self.readout.T).float().cpu()[0]
+        return logits
+
+
+def build_eagle(arg: str, target) -> EagleDrafter:
+    """`eagle:PATH` (a head directory from `metasd train-eagle`), or `eagle`: the head shipped for this target."""
+    if arg:
+        path = Path(arg).expanduser()
+    else:
+        path = shipped_head(target.model)
+        if path is None:
+            raise ValueError(
+                f"metasd ships no EAGLE head for {target.spec!r}; train one with `metasd train-eagle --target "
+                f"{target.spec}` and use eagle:PATH"
+            )
+    saved = load_head(path, target.model)
+    return EagleDrafter(
+        saved.head, target.model, name="eagle" if not arg else f"eagle:{arg}", vocab_size=target.vocab_size
+    )

@@ -1,0 +1,185 @@
+"""An EAGLE draft head (Li et al., "EAGLE", arXiv 2401.15077) and the directory it is saved as.
+
+The head is one decoder layer that reads, for position i, the target's feature f_i (the output of its final norm)
+fused with the embedding of token i + 1, and predicts f_(i+1); the target's own LM head, restricted to a draft
+vocabulary (the most frequent target tokens, as EAGLE-3, arXiv 2503.01840, reduces it), reads the prediction out
+as the next token's logits. Drafting feeds the head its own predicted features for the tokens it drafted.
+
+The embedding and LM head are the target's (not stored): a head directory holds `head.safetensors` (the fusion
+layer, the decoder layer, the draft vocabulary) and `config.json` (shape, training facts, and what identifies the
+target: architecture sizes and a sample of its embedding, so a head is refused on another model).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaModel
+
+FORMAT = "metasd-eagle-head"
+VERSION = 1
+_SAMPLE = (8, 8)  # rows x columns of the target's embedding stored as its fingerprint
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    draft_vocab_size: int
+
+
+@dataclass
+class TargetCheck:
+    """What a head must match in its target: sizes, and a corner of its input embedding (to 1e-2)."""
+
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    embed_sample: list[list[float]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> TargetCheck:
+        embed = model.get_input_embeddings().weight
+        rows, cols = _SAMPLE
+        return cls(
+            model_type=str(model.config.model_type),
+            hidden_size=int(model.config.hidden_size),
+            vocab_size=int(embed.shape[0]),
+            embed_sample=embed[:rows, :cols].float().tolist(),
+        )
+
+    def mismatch(self, other: TargetCheck) -> str | None:
+        for name in ("model_type", "hidden_size", "vocab_size"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name} {getattr(self, name)!r} != {getattr(other, name)!r}"
+        if not torch.allclose(torch.tensor(self.embed_sample), torch.tensor(other.embed_sample), atol=1e-2):
+            return "its embedding weights differ (another model of the same shape)"
+        return None
+
+
+def head_config_for(model: torch.nn.Module, draft_vocab_size: int) -> HeadConfig:
+    """A head shaped like one decoder layer of the target."""
+    c = model.config
+    return HeadConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", c.num_attention_heads),
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=float(getattr(c, "rope_theta", None) or (c.rope_parameters or {}).get("rope_theta", 10000.0)),
+        max_position_embeddings=c.max_position_embeddings,
+        draft_vocab_size=draft_vocab_size,
+    )
+
+
+class EagleHead(torch.nn.Module):
+    def __init__(self, config: HeadConfig, draft_vocab: torch.Tensor):
+        super().__init__()
+        if draft_vocab.shape != (config.draft_vocab_size,):
+            raise ValueError(
+                f"draft vocabulary of {tuple(draft_vocab.shape)} ids, config says {config.draft_vocab_size}"
+            )
+        self.config = config
+        d = config.hidden_size
+        self.fc = torch.nn.Linear(2 * d, d, bias=False)
+        body = LlamaConfig(
+            vocab_size=1,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+            hidden_size=d,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=config.rope_theta,
+            max_position_embeddings=config.max_position_embeddings,
+            attn_implementation="sdpa",
+        )
+        self.body = LlamaModel(body)
+        self.body.embed_tokens = None  # the head reads fused features, never ids
+        self.register_buffer("draft_vocab", draft_vocab.long())
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        embeds: torch.Tensor,
+        cache=None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """features [B, n, d] (f_i) and embeds [B, n, d] (token i + 1) -> predicted features [B, n, d] (f_(i+1))."""
+        fused = self.fc(torch.cat([features, embeds.to(features.dtype)], dim=-1))
+        return self.body(
+            inputs_embeds=fused, cache=cache, use_cache=cache is not None, position_ids=position_ids
+        ).last_hidden_state
+
+
+@dataclass
+class SavedHead:
+    head: EagleHead
+    target: str  # the spec it was trained for (informative; the check decides)
+    check: TargetCheck
+    training: dict
+
+
+def save_head(path: Path, head: EagleHead, target: str, check: TargetCheck, training: dict) -> None:
+    """Write the head directory: weights in float16 (half the bytes; the head runs in the target's dtype)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        k: v.detach().to(torch.float16 if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in head.state_dict().items()
+    }
+    save_file(tensors, str(path / "head.safetensors"))
+    config = {
+        "format": FORMAT,
+        "version": VERSION,
+        "target": target,
+        "target_check": asdict(check),
+        "head": asdict(head.config),
+        "training": training,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+
+
+def load_head(path: str | Path, target_model: torch.nn.Module | None = None) -> SavedHead:
+    """Read a head directory; with target_model, refuse (ValueError) a head made for another model."""
+    path = Path(path).expanduser()
+    config_file, weights_file = path / "config.json", path / "head.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ValueError(f"{path} is not an EAGLE head directory (needs config.json and head.safetensors)")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        if config.get("format") != FORMAT or config.get("version") != VERSION:
+            raise ValueError(f"format {config.get('format')!r} version {config.get('version')!r}")
+        head_config = HeadConfig(**config["head"])
+        check = TargetCheck(**config["target_check"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{config_file} is not a {FORMAT} v{VERSION} config: {err}") from err
+    if target_model is not None:
+        problem = check.mismatch(TargetCheck.of(target_model))
+        if problem:
+            raise ValueError(
+                f"EAGLE head {path} was trained for {config['target']!r}, not this target: {problem}; train one for "
+                "this model with `metasd train-eagle --target ...`"
+            )
+    try:
+        tensors = load_file(str(weights_file))
+        head = EagleHead(head_config, tensors["draft_vocab"])
+        head.load_state_dict(tensors)
+    except (SafetensorError, KeyError, RuntimeError, ValueError, OSError) as err:
+        raise ValueError(f"{weights_file} does not hold this head's weights: {err}") from err
+    return SavedHead(head=head.eval(), target=config["target"], check=check, training=config.get("training", {}))

@@ -1,0 +1,145 @@
+"""EAGLE heads: the target cache's features, the head's own cache that cannot drift, lossless greedy decoding with a
+head in the pool, and clear errors for a head that does not belong to the target."""
+
+import pytest
+import torch
+from helpers import greedy_reference, tiny_llama
+
+from metasd import Decoder
+from metasd.cached_model import CachedModel
+from metasd.drafters import DEFAULT_POOL, build_drafter
+from metasd.drafters.eagle import EagleDrafter, shipped_head
+from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, load_head, save_head
+from metasd.models.loading import LoadedModel
+from metasd.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def make_head(model, path, vocab: torch.Tensor | None = None, seed: int = 0) -> EagleHead:
+    """An untrained head for `model`, saved at `path` (random weights: it drafts, mostly wrongly)."""
+    torch.manual_seed(seed)
+    vocab = torch.arange(model.config.vocab_size) if vocab is None else vocab
+    head = EagleHead(head_config_for(model, len(vocab)), vocab)
+    save_head(path, head, "test", TargetCheck.of(model), {})
+    return head
+
+
+def test_the_target_cache_keeps_the_features_of_exactly_its_tokens():
+    model = tiny_llama(64, layers=2)
+    lm = CachedModel(model, keep_features=True)
+    lm.logits_for([1, 2, 3, 4, 5, 6])
+    lm.logits_for([1, 2, 3, 9, 8], last=2)  # a rejection: crops to [1, 2, 3], feeds 9, 8
+    with torch.no_grad():
+        fresh = model.model(input_ids=torch.tensor([[1, 2, 3, 9, 8]])).last_hidden_state[0]
+    assert torch.allclose(lm.features_for([1, 2, 3, 9, 8, 7]), fresh, atol=1e-5)
+    assert lm.features_for([1, 2, 4]).shape[0] == 2  # only the common prefix
+
+
+def test_the_heads_cache_cannot_drift(tmp_path):
+    """After drafts, rejections and rounds it sat out, the head drafts what a fresh head drafts from the same
+    context: its q rows are the same."""
+    model = tiny_llama(64, layers=1)
+    head = make_head(model, tmp_path)
+    lm = CachedModel(model, keep_features=True)
+    drafter = EagleDrafter(head, model, "eagle", 64)
+    drafter.read_features_from(lm)
+    context = [5, 6, 7, 8]
+    lm.logits_for(context)
+    for extra in ([9], [9, 10, 11], [12], [13, 14]):  # each round: the drafter drafts, the target verifies
+        draft = drafter.propose(context, 3, GREEDY, None)
+        assert len(draft.tokens) == 3 and draft.forwards == 3
+        lm.logits_for(context + draft.tokens, last=4)
+        context = context + extra
+        lm.logits_for(context)  # a round in which another drafter drafted
+    mine = drafter.propose(context, 3, GREEDY, None)
+    fresh = EagleDrafter(head, model, "eagle", 64)
+    fresh.read_features_from(lm)
+    theirs = fresh.propose(context, 3, GREEDY, None)
+    assert mine.tokens == theirs.tokens
+    assert torch.allclose(mine.q, theirs.q, atol=1e-5)
+
+
+def test_no_draft_before_the_target_has_seen_the_context(tmp_path):
+    model = tiny_llama(64)
+    lm = CachedModel(model, keep_features=True)
+    drafter = EagleDrafter(make_head(model, tmp_path), model, "eagle", 64)
+    drafter.read_features_from(lm)
+    assert drafter.propose([1, 2, 3], 3, GREEDY, None).tokens == []
+
+
+def test_q_is_zero_outside_the_draft_vocabulary(tmp_path):
+    model = tiny_llama(64)
+    lm = CachedModel(model, keep_features=True)
+    vocab = torch.arange(10, 40)
+    drafter = EagleDrafter(make_head(model, tmp_path, vocab), model, "eagle", 64)
+    drafter.read_features_from(lm)
+    lm.logits_for([1, 2, 3])
+    draft = drafter.propose([1, 2, 3], 2, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[vocab] = False
+    assert draft.q.shape == (2, 64) and float(draft.q[:, outside].sum()) == 0.0
+    assert all(10 <= t < 40 for t in draft.tokens)
+
+
+def test_a_head_for_another_model_is_refused(tmp_path):
+    ours, other = tiny_llama(64), tiny_llama(64)  # same shape, other random weights
+    make_head(other, tmp_path / "other")
+    with pytest.raises(ValueError, match="trained for"):
+        load_head(tmp_path / "other", ours)
+    wider = LoadedModel("wide", tiny_llama(80), None)
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_drafter(f"eagle:{tmp_path / 'other'}", wider)
+
+
+def test_a_missing_or_corrupt_head_is_a_clear_error(tmp_path):
+    model = tiny_llama(64)
+    with pytest.raises(ValueError, match="not an EAGLE head directory"):
+        load_head(tmp_path / "nowhere", model)
+    make_head(model, tmp_path / "head")
+    (tmp_path / "head" / "head.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="does not hold"):
+        load_head(tmp_path / "head", model)
+    make_head(model, tmp_path / "head")
+    (tmp_path / "head" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="config"):
+        load_head(tmp_path / "head", model)
+
+
+def test_no_shipped_head_for_another_target():
+    target = LoadedModel("tiny", tiny_llama(64), None)
+    assert shipped_head(target.model) is None
+    with pytest.raises(ValueError, match="ships no EAGLE head"):
+        build_drafter("eagle", target)
+
+
+@pytest.fixture(scope="module")
+def head_dir(embedded, tmp_path_factory):
+    """An untrained head for the embedded model, over its 8192 lowest ids."""
+    path = tmp_path_factory.mktemp("head")
+    make_head(embedded.model, path, torch.arange(8192))
+    return str(path)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "metasd-adaptive"])
+def test_greedy_output_with_a_head_in_the_pool_is_the_targets(embedded, head_dir, policy):
+    spec = f"eagle:{head_dir}"
+    decoder = Decoder(drafters=[spec, "ngram"], policy=f"fixed:{spec}" if policy == "fixed" else policy)
+    for prompt in ("Write a haiku about rivers.", "List three prime numbers and explain why they are prime."):
+        ids = decoder.encode(prompt)
+        result = decoder.generate(ids, max_new_tokens=24)
+        assert result.token_ids == greedy_reference(embedded.model, ids, 24)
+        if policy == "fixed":
+            assert result.stats.drafters()[spec].drafted > 0
+
+
+def test_the_default_pool_drafts_with_the_shipped_head(embedded):
+    """metasd ships a head for the embedded model: the default pool has it, and greedy output stays the target's."""
+    assert shipped_head(embedded.model) is not None
+    decoder = Decoder()
+    assert decoder.drafter_names == list(DEFAULT_POOL)
+    ids = decoder.encode("Explain what a binary search does, in two sentences.")
+    result = decoder.generate(ids, max_new_tokens=48, policy="fixed:eagle")
+    assert result.token_ids == greedy_reference(embedded.model, ids, 48)
+    stats = result.stats.drafters()["eagle"]
+    assert stats.accepted > 0  # a trained head: some of its tokens are the target's

@@ -1,0 +1,128 @@
+"""`metasd train-eagle` on a tiny random target: the corpus of its own answers and features, training that resumes
+where it stopped, and a head the decoder drafts with (greedy output unchanged)."""
+
+import json
+
+import pytest
+import torch
+from helpers import greedy_reference
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from metasd import Decoder
+from metasd.cli import main
+from metasd.models.eagle_head import load_head
+from metasd.specialists.eagle_corpus import encode_documents, encode_prompts, read_corpus, write_corpus
+from metasd.specialists.eagle_train import TrainConfig, train_head
+
+PROMPTS = ["Name a colour.", "Count to three.", "Say hello.", "What is two plus two?", "Write one word."]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(embedded, tmp_path_factory):
+    """A random two-layer Llama over the embedded model's vocabulary and tokenizer, saved as a directory."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(config).save_pretrained(path)
+    embedded.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return str(path)
+
+
+@pytest.fixture
+def texts_file(tmp_path):
+    """ShareGPT-style conversations, one cut short (passed over)."""
+    chat = [{"from": "human", "value": p} for p in PROMPTS[:2]] + [{"from": "gpt", "value": "Blue, and three."}]
+    path = tmp_path / "texts.jsonl"
+    path.write_text(json.dumps({"conversations": chat}) + "\n" + '{"conversations": [{"from": "hum\n')
+    return str(path)
+
+
+def chat(prompts: list[str]) -> list[list[dict]]:
+    return [[{"role": "user", "content": p}] for p in prompts]
+
+
+def test_train_eagle_writes_a_head_the_decoder_drafts_with(tiny_target, prompts_file, texts_file, tmp_path, capsys):
+    out = tmp_path / "head"
+    args = ["train-eagle", "--target", tiny_target, "--prompts", prompts_file, "--out", str(out), "--quiet"]
+    args += ["--texts", texts_file]
+    args += ["--max-new-tokens", "8", "--gen-batch", "2", "--epochs", "2", "--batch-tokens", "256"]
+    assert main([*args, "--draft-vocab", "512", "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["corpus"]["sequences"] == len(PROMPTS) and report["texts"]["sequences"] == 1
+    held = report["training"]["held_out"]
+    assert report["training"]["sequences"] + (held["sequences"] if held else 0) == len(PROMPTS) + 1
+    seqs = read_corpus(out / "corpus")
+    assert len(seqs) == len(PROMPTS) and all(s.features.shape == (len(s.tokens), 16) for s in seqs)
+    decoder = Decoder(target=tiny_target, drafters=[f"eagle:{out}"], policy=f"fixed:eagle:{out}")
+    ids = decoder.encode(PROMPTS[0])
+    result = decoder.generate(ids, max_new_tokens=12)
+    assert result.token_ids == greedy_reference(decoder.target.model, ids, 12)
+    assert result.stats.drafters()[f"eagle:{out}"].drafted > 0
+
+
+def test_the_corpus_holds_the_targets_greedy_answers_and_features(tiny_target, tmp_path):
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS[:3]), 64), tmp_path, max_new_tokens=6)
+    for seq in read_corpus(tmp_path):
+        tokens = seq.tokens.long().tolist()
+        with torch.no_grad():
+            hidden = target.model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
+        n = len(tokens) - 1  # the last token's feature is never needed (nothing follows it)
+        assert torch.allclose(seq.features[:n].float(), hidden[:n], atol=1e-2)
+    answers = [s.tokens.long().tolist() for s in read_corpus(tmp_path)]
+    prompt_ids = [t[: len(t) - 6] for t in answers]
+    assert all(a[len(p) :] == greedy_reference(target.model, p, 6) for a, p in zip(answers, prompt_ids, strict=True))
+
+
+def test_training_resumes_from_its_checkpoint_where_it_stopped(tiny_target, tmp_path):
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), tmp_path / "corpus", max_new_tokens=6)
+    seqs = read_corpus(tmp_path / "corpus")
+    cfg = TrainConfig(epochs=3, batch_tokens=64, draft_vocab=256)
+    train_head(target, seqs, tmp_path / "whole", cfg)
+
+    def interrupt(step: int, steps: int, metrics: dict) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    checkpoint = tmp_path / "checkpoint.pt"
+    with pytest.raises(KeyboardInterrupt):
+        train_head(target, seqs, tmp_path / "resumed", cfg, checkpoint=checkpoint, save_every=1, progress=interrupt)
+    steps = []
+    train_head(target, seqs, tmp_path / "resumed", cfg, checkpoint=checkpoint, progress=lambda s, n, m: steps.append(s))
+    assert steps[0] == 4
+    whole, resumed = load_head(tmp_path / "whole").head, load_head(tmp_path / "resumed").head
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_documents_are_read_whole_in_one_prefill(tiny_target, texts_file, tmp_path):
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    (doc,) = encode_documents(target.tokenizer, [texts_file], 1000)
+    assert target.tokenizer.decode(doc).count("Blue, and three.") == 1
+    write_corpus(target, [doc, doc[:7]], tmp_path, max_new_tokens=0)
+    assert sorted(s.tokens.tolist() for s in read_corpus(tmp_path)) == sorted([doc, doc[:7]])
+    assert encode_documents(target.tokenizer, [texts_file], 7) == [doc[:7]]
