@@ -132,3 +132,34 @@ def draft_autoregressively(
         if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
             break
     return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence, forwards)
+
+
+class AutoregressiveDrafter:
+    """A model drafter: one forward per drafted token, each token drawn from the q its `next_q` computes; the
+    engine's policy may stop it early (`StoppableDrafter`). Subclasses set `name` and implement `begin`, `next_q`."""
+
+    has_cache = True
+
+    def end(self, context: list[int]) -> None:
+        pass
+
+    def next_q(self, context: list[int], params: SamplingParams) -> Callable[[list[int]], torch.Tensor] | None:
+        """For a draft after `context`: a function from the sequence so far to the next token's q (one forward per
+        call), or None when no draft can be made now."""
+        raise NotImplementedError
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+        return self.propose_until(context, k, params, generator, None)
+
+    def propose_until(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        stop: StopRule | None,
+    ) -> Draft:
+        next_q = self.next_q(context, params)
+        if next_q is None:
+            return Draft([], None, [], 0)
+        return draft_autoregressively(next_q, context, k, params, generator, stop)

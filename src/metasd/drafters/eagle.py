@@ -10,6 +10,7 @@ It draws from q and sends q (zero outside the draft vocabulary), so sampled veri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from transformers import DynamicCache
 from ..cached_model import CachedModel, common_prefix
 from ..models.eagle_head import EagleHead, load_head
 from ..sampling import SamplingParams, probabilities
-from .base import Draft, StopRule, draft_autoregressively
+from .base import AutoregressiveDrafter
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # package data: a directory per shipped head
 
@@ -34,8 +35,7 @@ def shipped_head(model: torch.nn.Module) -> Path | None:
     return None
 
 
-class EagleDrafter:
-    has_cache = True
+class EagleDrafter(AutoregressiveDrafter):
     reads_target_features = True
 
     def __init__(self, head: EagleHead, target: torch.nn.Module, name: str, vocab_size: int):
@@ -62,37 +62,25 @@ class EagleDrafter:
     def begin(self, prompt: list[int]) -> None:
         self.reset_cache()
 
-    def end(self, context: list[int]) -> None:
-        pass
-
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        return self.propose_until(context, k, params, generator, None)
-
-    def propose_until(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        stop: StopRule | None,
-    ) -> Draft:
-        """Up to k tokens (`draft_autoregressively`); none before the target has verified the context (its first
-        round: there are no features of the prompt yet)."""
+    def next_q(self, context: list[int], params: SamplingParams) -> Callable[[list[int]], torch.Tensor] | None:
+        """None before the target has verified the context (a request's first round: no features of the prompt yet).
+        The first call catches the head up on the context; each later one feeds the token just drafted with the
+        head's own predicted feature of its position."""
         if self.target_lm is None:
             raise RuntimeError(f"{self.name}: no target cache attached (Decoder does it; see read_features_from)")
         features = self.target_lm.features_for(context)
         if len(context) < 2 or features.shape[0] < len(context) - 1:
-            return Draft([], None, [], 0)
+            return None
         state = {"hidden": None}
 
-        def next_q(seq: list[int]) -> torch.Tensor:
+        def q(seq: list[int]) -> torch.Tensor:
             if state["hidden"] is None:
                 state["hidden"] = self._catch_up(context, features)
-            else:  # the token just drafted, with the head's own predicted feature of its position
+            else:
                 state["hidden"] = self._step(state["hidden"], seq[-1])
             return probabilities(self._logits(state["hidden"]), params)[0]
 
-        return draft_autoregressively(next_q, context, k, params, generator, stop)
+        return q
 
     @torch.inference_mode()
     def _catch_up(self, context: list[int], features: torch.Tensor) -> torch.Tensor:
