@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from ..cached_model import CachedModel, common_prefix
-from ..models.eagle_head import EagleHead, load_head
+from ..models.eagle_head import EagleHead, fits, load_head
 from ..sampling import SamplingParams, probabilities
 from .base import AutoregressiveDrafter
 
@@ -26,13 +26,8 @@ SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # package data: a di
 
 def shipped_head(model: torch.nn.Module) -> Path | None:
     """The head shipped with metasd for this target model, if any (`eagle` with no path)."""
-    for path in sorted(SHIPPED.glob("*/config.json")) if SHIPPED.is_dir() else []:
-        try:
-            load_head(path.parent, model)
-        except ValueError:
-            continue
-        return path.parent
-    return None
+    heads = sorted(p.parent for p in SHIPPED.glob("*/config.json")) if SHIPPED.is_dir() else []
+    return next((path for path in heads if fits(path, model)), None)
 
 
 class EagleDrafter(AutoregressiveDrafter):

@@ -155,9 +155,7 @@ def save_head(path: Path, head: EagleHead, target: str, check: TargetCheck, trai
     (path / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
 
 
-def load_head(path: str | Path, target_model: torch.nn.Module | None = None) -> SavedHead:
-    """Read a head directory; with target_model, refuse (ValueError) a head made for another model."""
-    path = Path(path).expanduser()
+def _read_config(path: Path) -> tuple[dict, HeadConfig, TargetCheck]:
     config_file, weights_file = path / "config.json", path / "head.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
         raise ValueError(f"{path} is not an EAGLE head directory (needs config.json and head.safetensors)")
@@ -165,10 +163,24 @@ def load_head(path: str | Path, target_model: torch.nn.Module | None = None) -> 
         config = json.loads(config_file.read_text(encoding="utf-8"))
         if config.get("format") != FORMAT or config.get("version") != VERSION:
             raise ValueError(f"format {config.get('format')!r} version {config.get('version')!r}")
-        head_config = HeadConfig(**config["head"])
-        check = TargetCheck(**config["target_check"])
+        return config, HeadConfig(**config["head"]), TargetCheck(**config["target_check"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{config_file} is not a {FORMAT} v{VERSION} config: {err}") from err
+
+
+def fits(path: str | Path, target_model: torch.nn.Module) -> bool:
+    """Whether the head directory at `path` was made for this model (its config alone is read)."""
+    try:
+        _, _, check = _read_config(Path(path).expanduser())
+    except ValueError:
+        return False
+    return check.mismatch(TargetCheck.of(target_model)) is None
+
+
+def load_head(path: str | Path, target_model: torch.nn.Module | None = None) -> SavedHead:
+    """Read a head directory; with target_model, refuse (ValueError) a head made for another model."""
+    path = Path(path).expanduser()
+    config, head_config, check = _read_config(path)
     if target_model is not None:
         problem = check.mismatch(TargetCheck.of(target_model))
         if problem:
@@ -176,6 +188,7 @@ def load_head(path: str | Path, target_model: torch.nn.Module | None = None) -> 
                 f"EAGLE head {path} was trained for {config['target']!r}, not this target: {problem}; train one for "
                 "this model with `metasd train-eagle --target ...`"
             )
+    weights_file = path / "head.safetensors"
     try:
         tensors = load_file(str(weights_file))
         head = EagleHead(head_config, tensors["draft_vocab"])
