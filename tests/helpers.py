@@ -37,15 +37,16 @@ def chi2_bound(df: int, z: float = 5.0) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def tiny_llama(vocab_size: int = 64, layers: int = 1, positions: int = 128) -> LlamaForCausalLM:
-    """A random Llama small enough to build in milliseconds (hidden size 16, two heads), in eval mode."""
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=positions,
-    )
-    return LlamaForCausalLM(config).eval()
+def tiny_llama(vocab_size: int = 64, layers: int = 1, positions: int = 128, **overrides) -> LlamaForCausalLM:
+    """A random Llama small enough to build in milliseconds (hidden size 16, two heads), in eval mode; `overrides`
+    set other LlamaConfig fields."""
+    settings = {
+        "vocab_size": vocab_size,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": positions,
+    }
+    return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).eval()

@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import greedy_reference
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import greedy_reference, tiny_llama
 
 from metasd import Decoder
 from metasd.cli import main
@@ -21,19 +20,9 @@ PROMPTS = ["Name a colour.", "Count to three.", "Say hello.", "What is two plus 
 def tiny_target(embedded, tmp_path_factory):
     """A random two-layer Llama over the embedded model's vocabulary and tokenizer, saved as a directory."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    model = tiny_llama(49152, layers=2, positions=256, num_key_value_heads=1, bos_token_id=1, eos_token_id=2)
     path = tmp_path_factory.mktemp("tiny-target")
-    LlamaForCausalLM(config).save_pretrained(path)
+    model.save_pretrained(path)
     embedded.tokenizer.save_pretrained(path)
     return str(path)
 
