@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     out = Path(args.out)
     corpus_dir = Path(args.corpus) if args.corpus else out / "corpus"
+    texts_dir = Path(args.texts_corpus) if args.texts_corpus else out / "texts"
     target = load_model(args.target, args.dtype)
     prompts = encode_prompts(target.tokenizer, read_prompt_files(args.prompts), args.max_prompt_tokens)
     started = time.perf_counter()
@@ -97,13 +98,13 @@ def run(args: argparse.Namespace) -> None:
             texts = write_corpus(
                 target,
                 encode_documents(target.tokenizer, args.texts, args.max_text_tokens),
-                Path(args.texts_corpus) if args.texts_corpus else out / "texts",
+                texts_dir,
                 max_new_tokens=0,
                 batch_size=8,
                 max_tokens=args.texts_tokens,
                 progress=answered,
             )
-            seqs += read_corpus(Path(args.texts_corpus) if args.texts_corpus else out / "texts")
+            seqs += read_corpus(texts_dir)
     corpus_seconds = time.perf_counter() - started
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab)
     with tqdm(unit="step", desc="training", disable=args.quiet) as bar:
