@@ -90,9 +90,29 @@ def test_each_drafter_alone_is_lossless(decoder, cases, drafter):
     assert_lossless(decoder, [c for c in cases if c[0] in DRAFTER_CASES], policy=f"fixed:{drafter}")
 
 
-@pytest.mark.parametrize("policy", ["metasd-adaptive", "metasd-ucb"])
+@pytest.mark.parametrize(
+    "policy", ["metasd-adaptive", "metasd-ucb", "metasd-adaptive:tree=1", "metasd-adaptive:tree=2"]
+)
 def test_the_default_and_the_papers_policy_are_lossless_on_every_category(decoder, cases, policy):
+    """Also with draft trees: cost-sized, and every free proposal verified whole beside the chosen draft."""
     assert_lossless(decoder, cases, policy=policy, seed=0)
+
+
+def test_trees_of_a_model_draft_and_every_free_proposal_are_lossless(decoder, cases, monkeypatch):
+    """Every round a model drafter's draft (early exit, often wrong, or the target itself, always right) is the
+    tree's first branch and every free proposal joins it whole, the never-agreeing one included: paths through
+    any branch, the cache kept on the accepted path, must leave the output unchanged."""
+    names = decoder.drafter_names
+    early, model = names.index("early-exit:8"), names.index(EXACT)
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: ((early, model)[self.rounds % 2], 3))
+    trees = from_branches = 0
+    for category, ids, reference in cases:
+        result = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="metasd-adaptive:tree=2")
+        assert result.token_ids == reference, f"tree rounds diverged from generate() on {category}"
+        stats = result.stats.to_dict()
+        trees, from_branches = trees + stats["tree_rounds"], from_branches + stats["branch_accepted"]
+        assert sum(r.emitted for r in result.stats.rounds) == len(reference)
+    assert trees >= 50 and from_branches >= 5
 
 
 @pytest.mark.parametrize("policy", OTHER_POLICIES)

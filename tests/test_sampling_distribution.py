@@ -177,6 +177,67 @@ def test_a_model_draft_continued_by_a_free_drafter_keeps_the_distribution(pair, 
     assert stat < chi2_bound(df), (stat, df)
 
 
+class SecondGuess(TargetGuess):
+    """Proposes the target's second likeliest next token: a sibling of TargetGuess's in a tree."""
+
+    name = "second"
+
+    def propose(self, context, k, params, generator) -> Draft:
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([context])).logits[0, -1]
+        return Draft([int(torch.topk(logits, 2).indices[1])], confidence=[1.0])
+
+
+def test_a_tree_of_siblings_from_three_drafters_keeps_the_distribution(pair, monkeypatch):
+    """Each first round verifies a tree: the model drafter's 2 sampled tokens (with q) and, as siblings at the
+    root, the target's likeliest and second likeliest tokens from two free drafters: SpecInfer's rule must emit
+    the target's distribution whichever branch the path takes."""
+    target, target_dir, draft_dir = pair
+    decoder = Decoder(
+        target=target_dir,
+        drafters=[f"lm:{draft_dir}", TargetGuess(target), SecondGuess(target)],
+        policy="metasd-adaptive:tree=2",
+    )
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: (0, 2))
+    counts, branched, from_branches = Counter(), 0, 0
+    for seed in range(DRAWS):
+        result = decoder.generate(
+            PROMPT, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed
+        )
+        counts[tuple(result.token_ids[:2])] += 1
+        first = result.stats.rounds[0]
+        branched += first.branch_nodes > 0
+        from_branches += first.branch_accepted > 0
+    assert branched > 0.9 * DRAWS and from_branches > 0.1 * DRAWS
+    stat, df = chi2(counts, exact_pairs(target), DRAWS)
+    assert stat < chi2_bound(df), (stat, df)
+
+
+def test_a_model_drafts_runners_up_as_siblings_keep_the_distribution(pair, monkeypatch):
+    """Each first round verifies the model drafter's 2 sampled tokens and, beside each, its runner-up (the
+    likeliest token of that q other than the one drawn, which depends on the draw): tried only after the drawn
+    token is rejected, it must leave the target's distribution as it is."""
+    target, target_dir, draft_dir = pair
+    decoder = Decoder(target=target_dir, drafters=[f"lm:{draft_dir}"], policy="metasd-adaptive:tree=1")
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, k, *a, **kw: (0, 2))
+
+    def runners_up(self, tree, proposals, max_nodes):
+        main = tree.branches[0].draft
+        return [(0, Draft([*main.tokens[:j], token])) for j, (token, _) in enumerate(main.runners_up or [])]
+
+    monkeypatch.setattr(AdaptivePolicy, "branches", runners_up)
+    counts, from_branches = Counter(), 0
+    for seed in range(DRAWS):
+        result = decoder.generate(
+            PROMPT, max_new_tokens=3, temperature=PARAMS.temperature, top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed
+        )
+        counts[tuple(result.token_ids[:2])] += 1
+        from_branches += result.stats.rounds[0].branch_accepted > 0
+    assert from_branches > 0.05 * DRAWS
+    stat, df = chi2(counts, exact_pairs(target), DRAWS)
+    assert stat < chi2_bound(df), (stat, df)
+
+
 PENALTY = 1.3
 
 

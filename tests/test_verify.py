@@ -11,8 +11,10 @@ import torch
 from helpers import chi2, chi2_bound
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from metasd.drafters.base import Draft
 from metasd.sampling import SamplingParams, probabilities
-from metasd.verify import Verdict, verify_greedy, verify_sampling
+from metasd.tree import DraftTree
+from metasd.verify import Verdict, verify_greedy, verify_sampling, verify_tree_sampling
 
 V = 6
 P = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.10, 0.10], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
@@ -201,3 +203,64 @@ def test_verify_sampling_check_catches_a_q_that_is_not_what_was_drawn():
     n = 12_000
     stat, df = chi2(sample(n, seed=7, drafter="wrong-q"), exact(), n)
     assert stat > 3 * chi2_bound(df), (stat, df)  # the test above has the power to see a broken q
+
+
+SEQ_R = _table(3, zero=None)  # what the deterministic branches follow
+
+
+def sample_trees(n: int, seed: int, wrong_q: bool = False) -> tuple[Counter, Counter]:
+    """n sequences of SEQ_L tokens through tree rounds: a branch drawn from SEQ_Q (with its q), then two
+    deterministic ones: SEQ_R's argmax chain, and SEQ_P's second likeliest first token followed by SEQ_R's argmax.
+    They share prefixes or split at the root from draw to draw. Returns the sequences and which branches the
+    accepted paths ended in (shared nodes count for each; every branch must be taken for the test to mean
+    anything)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts, taken = Counter(), Counter()
+    for _ in range(n):
+        out: list[int] = []
+        while len(out) < SEQ_L:
+            k = SEQ_L - len(out) - 1
+            sampled, rows = [], []
+            for _ in range(k):
+                q = SEQ_Q[tuple(out + sampled)]
+                sampled.append(int(torch.multinomial(q, 1, generator=gen)))
+                rows.append(q**3 / (q**3).sum() if wrong_q else q)
+            tree = DraftTree.chain(Draft(sampled, torch.stack(rows) if rows else None), arm=0)
+            for arm, first in ((1, None), (2, int(torch.argsort(SEQ_P[tuple(out)], descending=True)[1]))):
+                chain = [] if first is None else [first]
+                while len(chain) < k:
+                    chain.append(int(torch.argmax(SEQ_R[tuple(out + chain)])))
+                tree.add(arm, Draft(chain[:k]))
+            p = torch.stack([SEQ_P[tuple(out + prefix)] for prefix in tree.prefixes()])
+            verdict = verify_tree_sampling(p, tree, gen)
+            taken.update(b.arm for b in tree.branches if verdict.path and verdict.path[-1] in b.nodes)
+            out += tree.path_tokens(verdict.path) + [verdict.next_token]
+        counts[tuple(out[:SEQ_L])] += 1
+    return counts, taken
+
+
+def test_tree_sampling_emits_exactly_the_target_distribution():
+    """SpecInfer's multi-step rule over siblings from a sampled drafter and two deterministic ones."""
+    n = 12_000
+    counts, taken = sample_trees(n, seed=11)
+    assert min(taken[arm] for arm in (0, 1, 2)) > 300
+    stat, df = chi2(counts, exact(), n)
+    assert stat < chi2_bound(df), (stat, df)
+
+
+def test_tree_sampling_check_catches_a_q_that_is_not_what_was_drawn():
+    n = 12_000
+    stat, df = chi2(sample_trees(n, seed=11, wrong_q=True)[0], exact(), n)
+    assert stat > 3 * chi2_bound(df), (stat, df)
+
+
+def test_a_one_branch_tree_is_the_chain_rule():
+    """Same draws, same verdicts: the tree rule reduces to `verify_sampling` on a chain."""
+    for seed in range(200):
+        gen = torch.Generator().manual_seed(seed)
+        draft = [int(torch.multinomial(SEQ_Q[()], 1, generator=gen))]
+        q = SEQ_Q[()][None]
+        p = torch.stack([SEQ_P[()], SEQ_P[tuple(draft)]])
+        chain = verify_sampling(p, q, draft, torch.Generator().manual_seed(seed))
+        tree = verify_tree_sampling(p, DraftTree.chain(Draft(draft, q)), torch.Generator().manual_seed(seed))
+        assert (chain.accepted, chain.next_token, chain.path) == (tree.accepted, tree.next_token, tree.path)

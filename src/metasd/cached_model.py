@@ -3,12 +3,19 @@
 Both the target and the model-based drafters use it. Instead of callers cropping by hand after every rejection,
 `logits_for` compares the tokens it has cached with the tokens asked for, crops to the common prefix and feeds only
 the rest: a cache can never drift from the context, and a drafter that sat out rounds catches up the same way.
+
+A draft tree (`logits_for_tree`) leaves the KV entries of every node behind the context; the next call that names
+the context it wants keeps those of the path that context follows through the tree (gathered, the rest dropped),
+so after a tree round, too, the cache holds exactly the context.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .tree import DraftTree
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -42,6 +49,7 @@ class CachedModel:
         self.fed_tokens = 0  # tokens run through the model since the last reset (prefill + catch-up + drafts)
         self.keep_features = keep_features
         self.features: torch.Tensor | None = None  # [capacity, d]; rows [0, len(tokens)) are valid
+        self._tree: DraftTree | None = None  # a verified tree whose nodes' entries follow `tokens` in the cache
         # The forward runs where the weights are (CPU, CUDA, MPS); its [last, V] logits come back to the CPU. The
         # acceptance rule, rewards and sampling then see only small CPU tensors and one CPU generator, so a seed
         # draws the same numbers on every device and no caller has to track devices.
@@ -51,10 +59,12 @@ class CachedModel:
         """The features [n, d] of the longest prefix of `tokens` this model has computed (on the model's device)."""
         if self.features is None:
             return torch.empty(0, 0)
+        self._settle(tokens)
         return self.features[: common_prefix(self.tokens, tokens)]
 
     def reset(self) -> None:
         self.tokens = []
+        self._tree = None
         self.cache = DynamicCache(config=self.model.config)
         self.fed_tokens = 0
 
@@ -63,15 +73,12 @@ class CachedModel:
         """Logits [last, V] predicting the token after each of the final `last` positions of `tokens`."""
         if not 1 <= last <= len(tokens):
             raise ValueError(f"need 1 <= last <= {len(tokens)}, got {last}")
+        self._settle(tokens)
         keep = min(common_prefix(self.tokens, tokens), len(tokens) - last)
         if keep < len(self.tokens):
             self.cache.crop(keep - len(self.tokens))
         new = tokens[keep:]
-        ids = torch.tensor([new], device=self.device)
-        if self.keep_features:
-            out = self._forward_keeping_features(ids, keep, last)
-        else:
-            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last)
+        out = self._forward(torch.tensor([new], device=self.device), keep, last=last)
         if self.cache.get_seq_length() != len(tokens):
             # e.g. a transformers release whose forward ignores `cache=`: decoding would go on from garbage
             raise RuntimeError(
@@ -80,18 +87,69 @@ class CachedModel:
             )
         self.tokens = list(tokens)
         self.fed_tokens += len(new)
-        logits = out.logits[0].float().cpu()  # the acceptance rule works on the CPU (see __init__)
-        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
-            logits = _fit(logits, self.vocab_size)
-        return logits
+        return self._logits(out)
 
-    def _forward_keeping_features(self, ids: torch.Tensor, keep: int, last: int):
+    @torch.inference_mode()
+    def logits_for_tree(self, context: list[int], tree: DraftTree) -> torch.Tensor:
+        """Logits [1 + tree.size, V]: row 0 after the context, row 1 + i after node i (its path from the root).
+        One forward with the tree mask; the next call settles the cache on the path the context then follows."""
+        if tree.is_chain:
+            return self.logits_for(context + tree.tokens, last=tree.size + 1)
+        if not all(type(layer).crop is DynamicLayer.crop for layer in self.cache.layers):
+            raise ValueError("draft trees need a cache of plain (not sliding-window) layers to keep one path")
+        self._settle(context)
+        keep = min(common_prefix(self.tokens, context), len(context) - 1)
+        if keep < len(self.tokens):
+            self.cache.crop(keep - len(self.tokens))
+        pending = context[keep:]
+        dtype = next(self.model.parameters()).dtype
+        mask, positions = tree.attention(keep, len(pending), dtype, self.device)
+        ids = torch.tensor([pending + tree.tokens], device=self.device)
+        out = self._forward(ids, keep, last=tree.size + 1, attention_mask=mask, position_ids=positions)
+        if self.cache.get_seq_length() != len(context) + tree.size:
+            raise RuntimeError("the KV cache does not hold the context and the tree after a tree forward")
+        self.tokens = list(context)
+        self.fed_tokens += len(pending) + tree.size
+        self._tree = tree
+        return self._logits(out)
+
+    @torch.inference_mode()
+    def _settle(self, tokens: list[int]) -> None:
+        """After a tree forward: keep the entries of the longest tree path `tokens` follows, drop the others."""
+        tree, self._tree = self._tree, None
+        if tree is None:
+            return
+        base, parent, path = len(self.tokens), -1, []
+        if tokens[:base] == self.tokens:
+            for token in tokens[base:]:
+                node = tree.child(parent, token)
+                if node is None:
+                    break
+                path.append(node)
+                parent = node
+        index = torch.tensor([*range(base), *(base + n for n in path)], device=self.device)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+        if self.features is not None:
+            self.features[base : base + len(path)] = self.features[base + torch.tensor(path, dtype=torch.long)]
+        self.tokens = self.tokens + tree.path_tokens(path)
+
+    def _forward(self, ids: torch.Tensor, keep: int, last: int, **kwargs):
+        """The model's forward over `ids` after `keep` cached tokens; with keep_features, the final norm's output
+        for them is kept in `features[keep:]`."""
         captured = []
-        hook = self.model.get_decoder().norm.register_forward_hook(lambda m, a, out: captured.append(out))
-        try:  # hooked for this forward only: the weights may be shared with other caches (an lm: drafter)
-            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last)
+        norm = self.model.get_decoder().norm
+        # hooked for this forward only: the weights may be shared with other caches (an lm: drafter)
+        hook = norm.register_forward_hook(lambda m, a, out: captured.append(out)) if self.keep_features else None
+        try:
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last, **kwargs)
         finally:
-            hook.remove()
+            if hook is not None:
+                hook.remove()
+        if not self.keep_features:
+            return out
         new = captured[-1][0]
         end = keep + new.shape[0]
         if self.features is None or self.features.shape[0] < end:
@@ -101,6 +159,12 @@ class CachedModel:
             self.features = grown
         self.features[keep:end] = new
         return out
+
+    def _logits(self, out) -> torch.Tensor:
+        logits = out.logits[0].float().cpu()  # the acceptance rule works on the CPU (see __init__)
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = _fit(logits, self.vocab_size)
+        return logits
 
 
 def _fit(logits: torch.Tensor, size: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The decoder: a target, a pool of drafters and a policy that picks one drafter per round (MetaSD, arXiv 2604.05417).
 
-One round: select a drafter -> it proposes up to k tokens -> one target forward over them -> the acceptance rule
-keeps a prefix and adds the target's own token -> the policy is rewarded. That is `Generation._round`; everything
-else (prompt handling, request options, statistics) is bookkeeping around it.
+One round: select a drafter -> it proposes up to k tokens (a policy that grows trees adds other drafters' proposals
+as branches: `metasd.tree`) -> one target forward over them -> the acceptance rule keeps a path and adds the
+target's own token -> the policy is rewarded. That is `Generation._round`; everything else (prompt handling, request
+options, statistics) is bookkeeping around it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cached_model import CachedModel
+from .cached_model import CachedModel, common_prefix
 from .costs import CostModel, TargetCost, load_or_calibrate
 from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, default_pool, parse_drafters
 from .drafters.base import StoppableDrafter
@@ -28,7 +29,8 @@ from .policy.adaptive import AdaptivePolicy
 from .processors import process, target_processors
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats, Round
-from .verify import Verdict, verify_greedy, verify_sampling
+from .tree import DraftTree
+from .verify import Verdict, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 _POLICY_CACHE = 64  # policies kept per decoder (LRU): clients can name many distinct policies and pools
 
@@ -337,8 +339,11 @@ class Generation:
         draft = self._draft(arm, k, context, proposals, generator)
         clock.drafted = time.perf_counter()
         draft, extension = self._continue(arm, draft, context, limit)
-        verdict, p, prefilled = self._verify(context, draft, generator, clock)
-        new = self._emit(draft.tokens[: verdict.accepted] + [verdict.next_token])
+        tree = self._grow(arm, draft, proposals)
+        verdict, p, prefilled = self._verify(context, tree, generator, clock)
+        path = tree.path_tokens(verdict.path)
+        new = self._emit(path + [verdict.next_token])
+        accepted = common_prefix(draft.tokens, path)  # of the chosen drafter's draft
         start = len(context)
         context += new
         self.token_ids += new
@@ -346,30 +351,31 @@ class Generation:
             arm=arm,
             k=k,
             draft=draft,
-            accepted=verdict.accepted,
+            accepted=accepted,
             start=start,
             context=context,
             p=p,
             target_tokens=verdict.target_tokens,
             proposals=proposals,
             extension=extension,
-            **self._reward_times(arm, draft, proposal_times.get(arm, 0.0), clock, prefilled, fresh),
+            tree_accepted=None if len(tree.branches) == 1 else len(path),
+            **self._reward_times(arm, draft, tree.size, proposal_times.get(arm, 0.0), clock, prefilled, fresh),
         )
         score = policy.feedback(outcome) if policy is not None else None
         drafter = self.pool[arm] if arm is not None else None
         if drafter is not None and drafter.has_cache:  # its cache holds the context it drafted from and forwards - 1
             # of its tokens; those the round accepted it need not take in again
-            synced[drafter.name] = start + min(max(draft.forwards - 1, 0), verdict.accepted)
+            synced[drafter.name] = start + min(max(draft.forwards - 1, 0), accepted)
             self._drafted.add(drafter.name)
         clock.finished = time.perf_counter()
         taken_in = lags[arm] if arm is not None else 0
-        self._measure(drafter, draft, taken_in, clock, prefilled, free=arm in proposals)
+        self._measure(drafter, draft, tree.size, taken_in, clock, prefilled, free=arm in proposals)
         draft_time = proposal_times.get(arm, 0.0) + clock.draft_seconds
         self.stats.rounds.append(
             Round(
                 drafter=drafter.name if drafter else None,
                 drafted=len(draft.tokens),
-                accepted=min(verdict.accepted, len(new)),
+                accepted=min(accepted, len(new)),
                 reward=score,
                 catch_up=taken_in - len(self.prompt) if arm is not None and fresh[arm] else taken_in,  # no prompt
                 draft_time=draft_time,
@@ -379,32 +385,58 @@ class Generation:
                 chosen_k=k,
                 extended=len(draft.tokens) - outcome.own,
                 continued_by=self.pool[extension.arm].name if extension and extension.arm is not None else None,
+                branch_nodes=tree.size - len(draft.tokens),
+                branch_accepted=max(min(len(path), len(new)) - min(accepted, len(new)), 0),
             )
         )
         return new
 
+    def _grow(self, arm: int | None, draft: Draft, proposals: dict[int, Draft]) -> DraftTree:
+        """The round's draft tree: the chosen draft, and for a policy that grows trees the branches it adds (free
+        proposals, a model draft's runners-up: deterministic tokens, tried after the drawn ones, so sampling stays
+        exact), within the sizes T(M) is calibrated for."""
+        tree = DraftTree.chain(draft, arm)
+        if arm is not None and self.policy.grows_trees:  # a plain step stays one
+            room = self.decoder.cost_model().target.max_tokens - 1
+            for branch_arm, branch in self.policy.branches(tree, proposals, room):
+                tree.add(branch_arm, branch)
+        return tree
+
     def _verify(
-        self, context: list[int], draft: Draft, generator: torch.Generator, clock: _Clock
+        self, context: list[int], tree: DraftTree, generator: torch.Generator, clock: _Clock
     ) -> tuple[Verdict, torch.Tensor | None, bool]:
-        """One target forward over the draft, the target's own logits processors, the acceptance rule: the verdict,
-        p (sampling only), and whether the forward also prefilled the prompt (then it is no measure of T(M))."""
+        """One target forward over the draft tree, the target's own logits processors, the acceptance rule: the
+        verdict, p (sampling only: the rows of the chosen draft) and whether the forward also prefilled the prompt
+        (then it is no measure of T(M))."""
         lm, params = self.decoder._lm, self.params
         clock.verifying = time.perf_counter()
         fed = lm.fed_tokens
-        logits = lm.logits_for(context + draft.tokens, last=len(draft.tokens) + 1)
+        logits = lm.logits_for_tree(context, tree)
         clock.forwarded = time.perf_counter()
-        if self.processors is not None:  # row j as generate processes it after context + draft[:j]
-            logits = process(self.processors, logits, context, draft.tokens)
-        prefilled = lm.fed_tokens - fed > len(draft.tokens) + 1
+        if self.processors is not None:  # each row as generate processes it after the context and its path
+            logits = process(self.processors, logits, context, tree.prefixes())
+        prefilled = lm.fed_tokens - fed > tree.size + 1
         p = None if params.greedy else probabilities(logits, params)
-        verdict = (
-            verify_greedy(logits, draft.tokens) if p is None else verify_sampling(p, draft.q, draft.tokens, generator)
-        )
+        (main,) = tree.branches[:1]
+        if len(tree.branches) > 1:
+            verdict = verify_tree_greedy(logits, tree) if p is None else verify_tree_sampling(p, tree, generator)
+            p = None if p is None else p[[0, *(n + 1 for n in main.nodes)]]
+        elif p is None:
+            verdict = verify_greedy(logits, main.draft.tokens)
+        else:
+            verdict = verify_sampling(p, main.draft.q, main.draft.tokens, generator)
         clock.verified = time.perf_counter()
         return verdict, p, prefilled
 
     def _reward_times(
-        self, arm: int | None, draft: Draft, proposal_time: float, clock: _Clock, prefilled: bool, fresh: list[bool]
+        self,
+        arm: int | None,
+        draft: Draft,
+        verified: int,
+        proposal_time: float,
+        clock: _Clock,
+        prefilled: bool,
+        fresh: list[bool],
     ) -> dict[str, float]:
         """The times the policy's reward sees: what the round costs in steady state. A prompt prefill (the target's,
         or a fresh model drafter's first draft taking in its own copy) is replaced by the cost model's estimate of
@@ -414,13 +446,20 @@ class Generation:
         if costs is None:
             return {"draft_time": draft_time, "verify_time": verify_time, "plain_step_time": 0.0}
         if prefilled:
-            verify_time = costs.target(len(draft.tokens) + 1) + (clock.verified - clock.forwarded)
+            verify_time = costs.target(verified + 1) + (clock.verified - clock.forwarded)
         if arm is not None and fresh[arm]:
             draft_time = draft.forwards * costs.drafter(self.pool[arm].name).step_time(costs.target(1))
         return {"draft_time": draft_time, "verify_time": verify_time, "plain_step_time": costs.target(1)}
 
     def _measure(
-        self, drafter: Drafter | None, draft: Draft, taken_in: int, clock: _Clock, prefilled: bool, free: bool
+        self,
+        drafter: Drafter | None,
+        draft: Draft,
+        verified: int,
+        taken_in: int,
+        clock: _Clock,
+        prefilled: bool,
+        free: bool,
     ) -> None:
         """The machine's costs, whatever the policy: every round is a measurement (but prefills). T(M) is the
         forward alone; the acceptance rule, processing and bookkeeping go to the regime's per-round overhead."""
@@ -428,7 +467,7 @@ class Generation:
         if costs is None:
             return
         if not prefilled:
-            costs.target.observe(len(draft.tokens) + 1, clock.forward_seconds)
+            costs.target.observe(verified + 1, clock.forward_seconds)
         if drafter is not None and not free:
             costs.drafter(drafter.name).observe(draft.forwards, taken_in, clock.draft_seconds)
         regime = "greedy" if self.params.greedy else "sampled"

@@ -25,7 +25,7 @@ class RoundOutcome:
     arm: int | None  # the drafter that drafted (None: a plain target step)
     k: int  # the draft length the round allowed (what rewards divide by)
     draft: Draft
-    accepted: int  # drafted tokens the acceptance rule kept (before any end-of-sequence cut)
+    accepted: int  # tokens of `draft` the acceptance rule kept (before any end-of-sequence cut)
     start: int  # output position of the first drafted token = context length before the round
     context: list[int]  # the whole context after the round (prompt + output so far)
     p: torch.Tensor | None  # target probabilities at the drafted positions + 1 (sampling only)
@@ -36,6 +36,12 @@ class RoundOutcome:
     plain_step_time: float  # the machine's current estimate of a 1-token target step (0 when not measured)
     extension: Extension | None = None  # a model's draft: the continuations offered, and tokens appended from
     # `extension.start` on
+    tree_accepted: int | None = None  # a tree round: tokens accepted along the path, whichever branches held them
+
+    @property
+    def gained(self) -> int:
+        """Drafted tokens the round kept: along the tree's path, or of the draft when it was verified alone."""
+        return self.accepted if self.tree_accepted is None else self.tree_accepted
 
     @property
     def own(self) -> int:

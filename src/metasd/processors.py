@@ -56,9 +56,9 @@ def target_processors(model: torch.nn.Module, prompt_len: int, max_new_tokens: i
     return processors if len(processors) else None
 
 
-def process(processors, logits: torch.Tensor, context: list[int], draft: list[int]) -> torch.Tensor:
-    """logits [len(draft) + 1, V] from one verification forward, row j predicting the token after
-    context + draft[:j]: each row processed with that prefix (rows one at a time: each has its own input_ids)."""
-    ids = torch.tensor([context + draft])
-    start = len(context)
-    return torch.cat([processors(ids[:, : start + j], logits[j : j + 1].clone()) for j in range(logits.shape[0])])
+def process(processors, logits: torch.Tensor, context: list[int], prefixes: list[list[int]]) -> torch.Tensor:
+    """logits [n, V] from one verification forward, row j predicting the token after context + prefixes[j] (a
+    chain's draft[:j], a tree node's path): each row processed with its own input_ids, one row at a time."""
+    return torch.cat(
+        [processors(torch.tensor([context + prefix]), logits[j : j + 1].clone()) for j, prefix in enumerate(prefixes)]
+    )

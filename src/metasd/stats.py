@@ -13,16 +13,18 @@ class Round:
 
     drafter: str | None  # None: a plain target step (policy `none`, or a policy that chose k = 0)
     drafted: int
-    accepted: int  # drafted tokens emitted
+    accepted: int  # tokens of the chosen draft emitted
     reward: float | None
     catch_up: int  # context tokens this drafter had missed while others drafted
     draft_time: float
     verify_time: float
     policy_time: float  # choose + proposals for hindsight + feedback
-    emitted: int  # tokens this round added to the output: accepted + the target's own, unless cut
+    emitted: int  # tokens this round added to the output: accepted + branch_accepted + the target's own, unless cut
     chosen_k: int | None = None  # the length the policy asked for; drafted is shorter when a proposal runs out
     extended: int = 0  # drafted tokens a free drafter appended to a model drafter's draft (`Extension`)
     continued_by: str | None = None  # that free drafter
+    branch_nodes: int = 0  # tree nodes verified beside the chosen draft (other drafters' branches)
+    branch_accepted: int = 0  # tokens emitted from those branches beyond the chosen draft's accepted ones
 
     @property
     def own(self) -> int:
@@ -107,6 +109,9 @@ class GenerationStats:
             "verify_time": round(sum(r.verify_time for r in self.rounds), 4),
             "policy_time": round(sum(r.policy_time for r in self.rounds), 6),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
+            "tree_rounds": sum(r.branch_nodes > 0 for r in self.rounds),  # rounds that verified other branches
+            "branch_nodes": sum(r.branch_nodes for r in self.rounds),
+            "branch_accepted": sum(r.branch_accepted for r in self.rounds),
             "drafters": {
                 name: {
                     "pulls": s.pulls,

@@ -5,6 +5,13 @@ Sampling: speculative sampling (Leviathan, Kalman & Matias 2023, arXiv 2211.1719
 2302.01318): accept token x_j with probability min(1, p_j(x)/q_j(x)); at the first rejection sample from
 norm(max(0, p_j - q_j)); if all k are accepted, sample the bonus token from p_k. Either way the output has exactly
 the target's distribution. A drafter without q is one-hot (q(x) = 1).
+
+Trees (`metasd.tree`): greedy follows the target's argmax down the tree as far as a child holds it. Sampling is
+SpecInfer's multi-step speculative sampling (Miao et al., arXiv 2305.09781, Theorem 4.2): at a node, each branch's
+proposal x (drawn from its q, or deterministic: a point mass) is tried in turn against the residual r, starting from
+the target's p: accept with probability min(1, r(x)/q(x)), else r <- norm(max(0, r - q)) (for a point mass: r without
+x, renormalised); if none is accepted, the token comes from r. Each emitted token has exactly the target's
+distribution, whichever branches the tree holds.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .tree import DraftTree
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -20,6 +29,12 @@ class Verdict:
     next_token: int  # the target's own token after them (correction or bonus)
     # greedy: the target's argmax at every drafted position and after (for rewards; not part of the verdict's value)
     target_tokens: list[int] | None = field(default=None, compare=False)
+    # the tree nodes of the accepted tokens (a chain's are 0 .. accepted - 1)
+    path: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            object.__setattr__(self, "path", tuple(range(self.accepted)))
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> Verdict:
@@ -51,3 +66,37 @@ def verify_sampling(
         row = residual / total if total > 0 else p[j]
         return Verdict(j, int(torch.multinomial(row, 1, generator=generator)))
     return Verdict(len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator)))
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, tree: DraftTree) -> Verdict:
+    """target_logits: [1 + tree.size, V]; row 0 after the context, row 1 + i after node i."""
+    choice = torch.argmax(target_logits, dim=-1).tolist()
+    node, path = -1, []
+    while (child := tree.child(node, choice[node + 1])) is not None:
+        path.append(child)
+        node = child
+    return Verdict(len(path), choice[node + 1], [choice[0], *(choice[n + 1] for n in path)], tuple(path))
+
+
+def verify_tree_sampling(p: torch.Tensor, tree: DraftTree, generator: torch.Generator | None) -> Verdict:
+    """p: [1 + tree.size, V] target probabilities, rows as in `verify_tree_greedy`; each branch's q from its draft."""
+    node, path = -1, []
+    while True:
+        r = p[node + 1]
+        for child, branch, depth in tree.proposals(node):
+            x, q = tree.tokens[child], branch.draft.q
+            q_x = 1.0 if q is None else float(q[depth, x])
+            u = float(torch.rand((), generator=generator))
+            if q_x > 0 and u < min(1.0, float(r[x]) / q_x):
+                path.append(child)
+                node = child
+                break
+            if q is None:
+                r = r.clone()
+                r[x] = 0.0
+            else:
+                r = torch.clamp(r - q[depth], min=0.0)
+            total = float(r.sum())
+            r = r / total if total > 0 else p[node + 1]  # 0 only where r equalled q up to rounding
+        else:
+            return Verdict(len(path), int(torch.multinomial(r, 1, generator=generator)), None, tuple(path))

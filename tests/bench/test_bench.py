@@ -501,6 +501,21 @@ def test_specialists_preset_pools_every_datastore_the_ofa_and_distilled_drafters
         preset("specialists", tmp_path)
 
 
+def test_eagle_specialists_preset_pools_a_head_per_domain_and_the_ofa_head(tmp_path: Path) -> None:
+    from metasd.bench.presets import SPECIALIST_METHODS, preset
+
+    names = ("code", "chat", "math", "translation", "mixed")
+    for name in names:
+        (tmp_path / f"eagle-{name}").mkdir()
+        (tmp_path / f"eagle-{name}" / "config.json").write_text("{}")
+    settings = preset("eagle-specialists", tmp_path)
+    assert settings["drafters"].split(",") == [f"eagle:{tmp_path / f'eagle-{n}'}" for n in names]
+    assert settings["methods"] == SPECIALIST_METHODS
+    (tmp_path / "eagle-chat" / "config.json").unlink()
+    with pytest.raises(ValueError, match="eagle-chat.*train_domain_heads"):
+        preset("eagle-specialists", tmp_path)
+
+
 def test_repeats_start_from_one_state_and_keep_the_fastest(embedded) -> None:
     """--repeat: passes over a question's methods, each pass from what the policies knew before the first (a
     repeat must not learn from the question it is measured on); each method keeps its fastest run, and the

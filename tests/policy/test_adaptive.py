@@ -17,6 +17,7 @@ from metasd.policy import build_policy, canonical_policy
 from metasd.policy.acceptance import SIGNAL_LEVELS, AcceptanceModel, expected_tokens, signal_levels
 from metasd.policy.adaptive import AdaptivePolicy, parse_params
 from metasd.policy.hindsight import Hindsight
+from metasd.tree import DraftTree
 
 
 def policy_with(table, accept=0.9, n_arms=2, free=(True, False), beta=0.0, signal=1.0, trials=200):
@@ -284,6 +285,102 @@ def test_a_continued_draft_carries_one_hot_rows_after_the_models():
         Draft([3]).followed_by(Draft([7], q[:1]))
 
 
+def tree_policy(table, accept=0.6, tree=1):
+    """Three free drafters (0-2) and a model drafter (3), every cell at `accept`; `choose` sets the round's bar."""
+    policy = policy_with(table, accept=accept, n_arms=4, free=(True, True, True, False))
+    policy.trees, policy.grows_trees = tree, True
+    return policy
+
+
+def siblings():
+    """Three free proposals: 0 and 1 share their first two tokens, 2 starts apart."""
+    return {
+        0: Draft([5, 6, 7, 8], confidence=[1.0] * 4),
+        1: Draft([5, 6, 9], confidence=[1.0] * 3),
+        2: Draft([11, 12, 13], confidence=[1.0] * 3),
+    }
+
+
+def test_where_verification_is_flat_the_tree_takes_every_branch_that_may_be_accepted():
+    policy = tree_policy([0.010] * 13)
+    proposals = siblings()
+    arm, k = policy.choose(4, proposals, [0] * 4)
+    tree = DraftTree.chain(proposals[arm].truncated(k), arm)
+    added = policy.branches(tree, proposals, 12)
+    assert {a for a, _ in added} == {0, 1, 2} - {arm}
+    assert tree.size == k  # the policy sizes on a copy: the engine adds what it returns
+
+
+def test_where_verification_is_steep_the_tree_stays_a_chain():
+    policy = tree_policy([0.010 * (1 + 0.5 * (m - 1)) for m in range(1, 14)])
+    proposals = siblings()
+    arm, k = policy.choose(4, proposals, [0] * 4)
+    assert arm is not None
+    assert policy.branches(DraftTree.chain(proposals[arm].truncated(k), arm), proposals, 12) == []
+
+
+def test_branches_are_cut_where_their_tokens_stop_paying_and_the_tree_within_its_room():
+    """T(M) flat up to 5 nodes, then steep: the tree fills to 4 nodes (M = 5) and no further; `tree=2` takes
+    every proposal whole, as far as the room allows."""
+    table = [0.010] * 5 + [0.030 + 0.01 * m for m in range(8)]
+    policy = tree_policy(table, accept=0.5)
+    proposals = siblings()
+    tree = DraftTree.chain(proposals[2].truncated(2), 2)
+    policy._bar = 1.0 / 0.010
+    for arm, branch in policy.branches(tree, proposals, 12):
+        tree.add(arm, branch)
+    assert tree.size == 4
+    policy.trees = 2
+    tree = DraftTree.chain(proposals[2], 2)
+    added = policy.branches(tree, proposals, 8)
+    assert [(a, b.tokens) for a, b in added] == [(0, [5, 6, 7, 8]), (1, [5, 6, 9])]  # 3 + 4 + 1: 5, 6 shared
+    added = policy.branches(tree, proposals, 6)
+    assert [(a, b.tokens) for a, b in added] == [(0, [5, 6, 7])]  # then 1's new node has no room
+
+
+def test_a_model_drafts_runner_up_is_a_sibling_where_its_token_is_likely_rejected():
+    """A model draft whose first token is accepted half the time: its runner-up there, right 80 % of the times
+    the token is not, joins the tree as one node; where the model's token is never rejected it does not."""
+    policy = tree_policy([0.010] * 13, accept=0.5)
+    runner = 2 * policy.n_arms + 3
+    policy.acceptance.accepted[runner], policy.acceptance.tried[runner] = 160, 200
+    draft = Draft([40, 41], confidence=[0.5, 0.5], runners_up=[(50, 0.3), (51, 0.3)])
+    policy._bar = 1.0 / 0.010
+    added = policy.branches(DraftTree.chain(draft, 3), {}, 12)
+    assert [(a, b.tokens) for a, b in added] == [(3, [50]), (3, [40, 51])]
+    policy.acceptance.accepted[3], policy.acceptance.tried[3] = 200, 200
+    policy.costs.target = TargetCost([0.010 * m for m in range(1, 14)])  # and each node costs a whole step
+    assert policy.branches(DraftTree.chain(draft, 3), {}, 12) == []
+
+
+def test_a_model_drafts_runner_up_is_learned_from_every_round_it_could_have_been_tried():
+    policy = tree_policy([0.010] * 13)
+    runner = 2 * policy.n_arms + 3
+    before = policy.acceptance.tried[runner].sum()
+    draft = Draft([40, 41], confidence=[0.9, 0.9], runners_up=[(50, 0.3), (51, 0.3)], forwards=2)
+    for emitted, hit in (([40, 51], 1.0), ([40, 52], 0.0), ([40, 41, 7], None)):
+        accepted_before = policy.acceptance.accepted[runner].sum()
+        context = [1, 2, 3, *emitted]
+        outcome = RoundOutcome(
+            arm=3,
+            k=2,
+            draft=draft,
+            accepted=len(emitted) - 1,
+            start=3,
+            context=context,
+            p=None,
+            target_tokens=None,
+            proposals={},
+            draft_time=0.01,
+            verify_time=0.01,
+            plain_step_time=0.01,
+        )
+        policy.feedback(outcome)
+        if hit is not None:
+            assert policy.acceptance.accepted[runner].sum() - accepted_before == hit
+    assert policy.acceptance.tried[runner].sum() - before == 2  # the fully accepted draft tried no runner-up
+
+
 def test_acceptance_model_learns_per_signal_and_position_and_starts_from_history():
     model = AcceptanceModel(1, prior_weight=10)
     for _ in range(100):
@@ -374,6 +471,8 @@ def test_parameters_are_validated_and_canonical():
         "max=2.5",
         "spread=0.5",
         "prior=20",
+        "tree=3",
+        "tree=0.5",
     ):  # prior is the history weight of spread=0 only: never silently ignored
         with pytest.raises(ValueError):
             build_policy(f"metasd-adaptive:{bad}", ["ngram"])

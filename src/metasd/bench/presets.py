@@ -19,7 +19,7 @@ QWEN_DRAFTER = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN_TARGET_HUB = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 QWEN_DRAFTER_HUB = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 PAIR_SCRIPT = "scripts/qwen_coder_pair.sh"
-PRESETS = ("qwen-coder", "drift", "specialists")
+PRESETS = ("qwen-coder", "drift", "specialists", "eagle-specialists")
 # `--drift` / `--preset drift`: requests that change task midway (bench/drift.py), 3 per kind (9 in all). 192 new
 # tokens: the first answer must end early enough that the second one starts within the budget.
 DRIFT = {"drift": True, "categories": None, "per_category": 3, "max_new_tokens": 192}
@@ -33,6 +33,9 @@ SPECIALIST_DOMAINS = ("code", "chat", "math", "translation")
 OFA = "mixed"
 SPECIALIST_METHODS = ["ar", "metasd-ucb", "metasd-adaptive", "oracle-round", "oracle-category"]
 SPECIALISTS_SCRIPT = "scripts/build_specialists.py"
+# `--preset eagle-specialists`: the paper's Table 4 (MetaEagle) on the embedded model: one EAGLE head per domain and
+# the head trained on their union (OFA), from `scripts/train_domain_heads.sh`, in one pool; the same methods.
+HEADS_SCRIPT = "scripts/train_domain_heads.sh"
 
 
 def default_models_dir() -> Path:
@@ -96,12 +99,27 @@ def specialists(models_dir: str | Path | None = None) -> dict:
     return {"drafters": ",".join(pool), "methods": list(SPECIALIST_METHODS)}
 
 
+def eagle_specialists(models_dir: str | Path | None = None) -> dict:
+    """The MetaEagle pool: eagle:DIR/eagle-DOMAIN for each domain and eagle:DIR/eagle-mixed (the OFA head)."""
+    root = Path(models_dir or os.environ.get("METASD_SPECIALISTS", "specialists")).expanduser()
+    heads = [root / f"eagle-{name}" for name in (*SPECIALIST_DOMAINS, OFA)]
+    missing = [str(p) for p in heads if not (p / "config.json").is_file()]
+    if missing:
+        raise ValueError(
+            f"--preset eagle-specialists: no EAGLE head at {', '.join(missing)}; train them with "
+            f"`bash {HEADS_SCRIPT}` (about an hour on 2 cores), or pass --models-dir"
+        )
+    return {"drafters": ",".join(f"eagle:{p}" for p in heads), "methods": list(SPECIALIST_METHODS)}
+
+
 def preset(name: str, models_dir: str | Path | None = None) -> dict:
     """A preset's settings; "methods" (when present) is the default method list, not a BenchConfig field."""
     if name == "qwen-coder":
         return qwen_coder(models_dir)
     if name == "specialists":
         return specialists(models_dir)
+    if name == "eagle-specialists":
+        return eagle_specialists(models_dir)
     if name == "drift":
         return dict(DRIFT)
     raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")

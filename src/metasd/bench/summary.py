@@ -80,6 +80,14 @@ def _group_metrics(records: list[QuestionRecord], base: list[QuestionRecord], mi
             if r.drafter is not None:
                 picks[r.drafter] = picks.get(r.drafter, 0) + 1
         out["drafter_rounds"] = picks
+        # draft trees: rounds that verified other drafters' branches beside the chosen draft, their nodes, and the
+        # tokens the accepted paths took from them
+        trees = [r for r in rounds if r.branch_nodes > 0]
+        out["tree_rounds"] = len(trees)
+        out["mean_tree_nodes"] = (
+            round(sum(r.drafted + r.branch_nodes for r in trees) / len(trees), 3) if trees else None
+        )
+        out["branch_accepted"] = sum(r.branch_accepted for r in rounds)
     return out
 
 

@@ -72,7 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="qwen-coder: Qwen2.5-Coder-1.5B target + 0.5B lm: drafter beside ngram, suffix, early-exit; "
         "drift: the same as --drift; specialists: ngram, one datastore per domain, the mixed "
         "(one-size-fits-all) datastore and any distilled drafter from --models-dir (default "
-        "./specialists, built by scripts/build_specialists.py) with the paper's Table-3 methods",
+        "./specialists, built by scripts/build_specialists.py) with the paper's Table-3 methods; "
+        "eagle-specialists: the paper's Table 4, an EAGLE head per domain and one on their union, from the same "
+        "folder (scripts/train_domain_heads.sh)",
     )
     p.add_argument(
         "--drift",

@@ -15,10 +15,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_target_arg(p, use="the target the head drafts for: ")
     p.add_argument("--dtype", default="float32", help="the target's dtype while writing the corpus and training")
     p.add_argument(
-        "--prompts", nargs="+", required=True, help="JSONL prompt files (metasd distill's formats), interleaved"
+        "--prompts",
+        nargs="*",
+        default=[],
+        help="JSONL prompt files (metasd distill's formats), interleaved: the target answers them into the first "
+        "--corpus directory (resumable)",
     )
     p.add_argument("--out", required=True, help="the head directory to write (eagle:OUT loads it)")
-    p.add_argument("--corpus", default=None, help="where the target's answers and features go (default: OUT/corpus)")
+    p.add_argument(
+        "--corpus",
+        nargs="+",
+        default=None,
+        help="corpus directories to train on (default: OUT/corpus); the first receives the answers to --prompts, "
+        "the others are read as written by earlier runs (e.g. domain corpora for a head trained on their union)",
+    )
     p.add_argument(
         "--texts",
         nargs="*",
@@ -69,10 +79,11 @@ def run(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     out = Path(args.out)
-    corpus_dir = Path(args.corpus) if args.corpus else out / "corpus"
+    corpus_dirs = [Path(c) for c in args.corpus] if args.corpus else [out / "corpus"] if args.prompts else []
+    if not corpus_dirs and not args.texts:
+        raise ValueError("nothing to train on: give --prompts (the target answers them), --corpus or --texts")
     texts_dir = Path(args.texts_corpus) if args.texts_corpus else out / "texts"
     target = load_model(args.target, args.dtype)
-    prompts = encode_prompts(target.tokenizer, read_prompt_files(args.prompts), args.max_prompt_tokens)
     started = time.perf_counter()
     with tqdm(unit="batch", desc="target answers", disable=args.quiet) as bar:
 
@@ -81,16 +92,18 @@ def run(args: argparse.Namespace) -> None:
             bar.update(done - bar.n)
             bar.set_postfix(tokens=tokens)
 
-        corpus = write_corpus(
-            target,
-            prompts,
-            corpus_dir,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.gen_batch,
-            max_tokens=args.corpus_tokens,
-            progress=answered,
-        )
-        seqs = read_corpus(corpus_dir)
+        corpus = None
+        if args.prompts:
+            corpus = write_corpus(
+                target,
+                encode_prompts(target.tokenizer, read_prompt_files(args.prompts), args.max_prompt_tokens),
+                corpus_dirs[0],
+                max_new_tokens=args.max_new_tokens,
+                batch_size=args.gen_batch,
+                max_tokens=args.corpus_tokens,
+                progress=answered,
+            )
+        seqs = [s for d in corpus_dirs for s in read_corpus(d)]
         texts = None
         if args.texts:
             bar.reset()

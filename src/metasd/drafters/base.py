@@ -24,6 +24,10 @@ class Draft:
     # Forwards a model drafter ran for this draft (0 for free drafters): as many as its tokens, one more when it
     # stopped before drawing a token, whose q it computed and paid for. Its cache then holds forwards - 1 of them.
     forwards: int = 0
+    # A model drafter's second choice at each of its tokens: (the likeliest token of q_j other than the one drawn,
+    # its probability). A draft tree can verify it as a sibling (EAGLE-2's top-k expansion at one more token),
+    # tried after the drawn token is rejected, so sampling stays exact (`metasd.verify`).
+    runners_up: list[tuple[int, float]] | None = None
 
     def truncated(self, k: int) -> Draft:
         """The first k tokens. Lossless for one-hot drafts (q None): their tokens are deterministic, so cutting
@@ -35,6 +39,7 @@ class Draft:
             None if self.q is None else self.q[:k],
             None if self.confidence is None else self.confidence[:k],
             self.forwards,
+            None if self.runners_up is None else self.runners_up[:k],
         )
 
     def followed_by(self, tail: Draft) -> Draft:
@@ -56,7 +61,7 @@ class Draft:
                 *(self.confidence or [math.nan] * len(self.tokens)),
                 *(tail.confidence or [math.nan] * len(tail.tokens)),
             ]
-        return Draft(self.tokens + tail.tokens, q, confidence, self.forwards)
+        return Draft(self.tokens + tail.tokens, q, confidence, self.forwards, self.runners_up)
 
 
 class StopRule(Protocol):
@@ -116,10 +121,11 @@ def draft_autoregressively(
 ) -> Draft:
     """A model drafter's draft: up to k tokens, each drawn from next_q(sequence so far), one forward per call; the
     stop rule may end it before token j is drawn or after it (`StopRule`). Each token's confidence is the largest
-    probability of its q (for greedy drafting, that of the token itself)."""
+    probability of its q (for greedy drafting, that of the token itself); its runner-up the likeliest other token."""
     seq = list(context)
     rows: list[torch.Tensor] = []
     confidence: list[float] = []
+    runners_up: list[tuple[int, float]] = []
     forwards = 0
     for j in range(k):
         q = next_q(seq)
@@ -129,9 +135,12 @@ def draft_autoregressively(
         seq.append(pick(q, params, generator))
         rows.append(q)
         confidence.append(float(q.max()))
+        top = torch.topk(q, 2)
+        second = 1 if int(top.indices[0]) == seq[-1] else 0
+        runners_up.append((int(top.indices[second]), float(top.values[second])))
         if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
             break
-    return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence, forwards)
+    return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence, forwards, runners_up)
 
 
 class AutoregressiveDrafter:

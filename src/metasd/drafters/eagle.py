@@ -6,10 +6,16 @@ target's LM head over the draft vocabulary. Its own KV cache holds one entry per
 like `CachedModel` does: entries built from the target's true features are kept while their tokens match the
 context, entries built from drafted (predicted) features are dropped before the next draft, so it cannot drift.
 It draws from q and sends q (zero outside the draft vocabulary), so sampled verification stays exact.
+
+A draft step multiplies one row by the head's weights and the draft vocabulary's readout (some 9 M weights): bound
+by memory bandwidth like the target's one-token forward, so the layout of the product matters as much as its size;
+the head's linear layers take whichever kernel of `metasd.models.linear_kernels` a step measures faster on the
+machine at hand.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +24,7 @@ from transformers import DynamicCache
 
 from ..cached_model import CachedModel, common_prefix
 from ..models.eagle_head import EagleHead, fits, load_head
+from ..models.linear_kernels import KERNELS, install
 from ..sampling import SamplingParams, probabilities
 from .base import AutoregressiveDrafter
 
@@ -38,10 +45,35 @@ class EagleDrafter(AutoregressiveDrafter):
         param = next(target.parameters())
         self.head = head.to(device=param.device, dtype=param.dtype).eval()
         self.embed = target.get_input_embeddings()
-        self.readout = target.get_output_embeddings().weight[head.draft_vocab].detach()
+        readout = target.get_output_embeddings().weight[head.draft_vocab].detach()
+        self.readout = torch.nn.Linear(readout.shape[1], readout.shape[0], bias=False, device=param.device)
+        self.readout.weight = torch.nn.Parameter(readout, requires_grad=False)
         self.vocab_size = vocab_size
         self.target_lm: CachedModel | None = None
+        self.kernel = self._route_kernels()
         self.reset_cache()
+
+    @torch.inference_mode()
+    def _route_kernels(self, reps: int = 9) -> str:
+        """Time a one-row step (head and readout) under each linear kernel; route one-row products to the faster
+        (more rows, as in catching up, take torch's own). Returns the kernel chosen."""
+        layers = torch.nn.ModuleList([self.head, self.readout])
+        x = torch.zeros(
+            1, 1, self.readout.in_features, dtype=self.readout.weight.dtype, device=self.readout.weight.device
+        )
+        medians = {}
+        for kernel in KERNELS:
+            install(layers, [kernel])
+            times = []
+            for _ in range(reps):
+                cache = DynamicCache(config=self.head.body.config)
+                start = time.perf_counter()
+                self.readout(self.head(x, x, cache=cache))
+                times.append(time.perf_counter() - start)
+            medians[kernel] = sorted(times)[reps // 2]
+        best = min(medians, key=medians.get)
+        install(layers, [best])
+        return best
 
     def read_features_from(self, target_lm: CachedModel) -> None:
         """The decoder's target cache, whose features of verified positions the head reads."""
@@ -105,7 +137,7 @@ class EagleDrafter(AutoregressiveDrafter):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [1, V] on the CPU: the draft vocabulary's, -inf elsewhere (q is 0 there)."""
         logits = torch.full((1, self.vocab_size), float("-inf"))
-        logits[0, self.head.draft_vocab.cpu()] = (hidden @ self.readout.T).float().cpu()[0]
+        logits[0, self.head.draft_vocab.cpu()] = self.readout(hidden).float().cpu()[0]
         return logits
 
 

@@ -103,6 +103,17 @@ class AcceptanceModel:
             np.add.at(acc, cells, hits)
             np.add.at(tried, cells, 1.0)
 
+    def learn_at(self, arm: int, confidence: float | None, position: int, hit: bool) -> None:
+        """One token at `position` was tried (everything before it accepted) and accepted or not."""
+        cell = (
+            arm,
+            int(signal_levels(None if confidence is None else [confidence], 1)[0]),
+            int(positions(position + 1)[-1]),
+        )
+        for acc, tried in ((self.accepted, self.tried), (self.history_accepted, self.history_tried)):
+            acc[cell] += float(hit)
+            tried[cell] += 1.0
+
     def forget(self) -> None:
         """One round passed: old evidence of this request weighs gamma times less (no-op at gamma 1)."""
         if self.gamma < 1.0:

@@ -21,10 +21,11 @@ import numpy as np
 from ..costs import CostModel
 from ..drafters.base import Draft, StopRule
 from ..outcome import RoundOutcome
+from ..tree import DraftTree
 from .acceptance import AcceptanceModel, expected_tokens
 from .hindsight import Hindsight
 
-DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1, "extend": 0}
+DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1, "extend": 0, "tree": 0}
 _USAGE_PRIOR = 1.0  # pseudo-requests at full usage behind `AdaptivePolicy._usage`
 _BOUNDS = {
     "beta": (0.0, 10.0),
@@ -33,6 +34,7 @@ _BOUNDS = {
     "max": (1, 64),
     "spread": (0, 1),
     "extend": (0, 1),
+    "tree": (0, 2),
 }
 
 
@@ -63,6 +65,8 @@ def parse_params(param: str) -> dict[str, float]:
             raise ValueError(f"metasd-adaptive: max must be an integer, got {value}")
         if key in ("spread", "extend") and number not in (0, 1):
             raise ValueError(f"metasd-adaptive: {key} is 0 (off) or 1 (on), got {value}")
+        if key == "tree" and number not in (0, 1, 2):
+            raise ValueError(f"metasd-adaptive: tree is 0 (chains), 1 (sized trees) or 2 (every proposal), got {value}")
         out[key] = number
     if out["spread"] and out["prior"]:
         # with spread the history weight is estimated per drafter, so a prior would be silently ignored
@@ -71,6 +75,7 @@ def parse_params(param: str) -> dict[str, float]:
             f"write metasd-adaptive:spread=0,prior={out['prior']:g}"
         )
     out["max"] = int(out["max"])
+    out["tree"] = int(out["tree"])
     return out
 
 
@@ -103,6 +108,11 @@ class AdaptivePolicy:
       to a context it could not reach alone, and where T(M) is nearly flat the extra tokens cost little to verify.
       But they are verified at longer M and add proposals every round, so it is off by default (chosen by
       measurement: see docs/decisions.md).
+    - `tree=1`: the other free drafters' proposals join the chosen draft as branches of one token tree, verified in
+      the same forward (`branches`; SpecInfer, arXiv 2305.09781), each cut where its expected accepted tokens stop
+      paying for the extra verification at the round's bar: where T(M) is flat a round can take a path no single
+      drafter offered, where it is steep the tree stays a chain. `tree=2` adds every proposal whole (no sizing),
+      the "verify everything" baseline.
 
     Parameters: `beta` scales the optimism bonus; `spread=1` starts each request from the pool's history weighted
     per drafter by how little its acceptance varied between earlier requests (empirical Bayes,
@@ -126,6 +136,7 @@ class AdaptivePolicy:
         max_draft: int = 12,
         spread: float = 1,
         extend: float = 0,
+        tree: float = 0,
     ):
         if n_arms < 1:
             raise ValueError("a policy needs at least one drafter")
@@ -133,9 +144,12 @@ class AdaptivePolicy:
         self.beta = beta
         self.max_draft = int(max_draft)
         self.extends = bool(extend)
+        self.trees = int(tree)
+        self.grows_trees = self.trees > 0
         # arms n_arms + a: drafter a as the continuation of a model's draft (`extension`), learned apart: its
         # proposals there are judged only where the model's tokens were accepted, easier text than a round's start
-        self.acceptance = AcceptanceModel(2 * n_arms, prior_weight=prior, gamma=gamma, spread=bool(spread))
+        # and arms 2 * n_arms + a: model drafter a's runners-up (`_runners_up`), tried where its token was rejected
+        self.acceptance = AcceptanceModel(3 * n_arms, prior_weight=prior, gamma=gamma, spread=bool(spread))
         self.costs: CostModel | None = None
         self.regime = "greedy"
         self.names: list[str] = []
@@ -267,6 +281,77 @@ class AdaptivePolicy:
                 best, choice = float(net[e]), (free, e + 1)
         return choice
 
+    def branches(self, tree: DraftTree, proposals: Mapping[int, Draft], max_nodes: int) -> list[tuple[int, Draft]]:
+        """Branches to verify beside the chosen draft (the tree's one branch), as (drafter, draft): the other free
+        drafters' proposals, each cut where it stops paying, and a model draft's runners-up (its second choice at
+        token j, a sibling of token j). Greedy by net gain: a new node is worth the chance that its path is
+        accepted, its parent's reach times its own acceptance (from the drafter's rate at its signal and depth,
+        capped by what the parent's other children leave), against the extra verification T(M + e) - T(M) at the
+        round's bar (`_net_gains`). `tree=2` adds every free proposal whole instead, runners-up left out."""
+        main = tree.branches[0]
+        offers = [(a, d, self._rates(a, d)) for a, d in proposals.items() if d.tokens and a != main.arm]
+        if self.trees == 2:
+            tree, out = tree.copy(), []
+            for arm, draft, _ in offers:
+                n = _fitting(tree, draft.tokens, max_nodes - tree.size)
+                if n and tree.new_nodes(draft.tokens[:n]):
+                    out.append((arm, draft.truncated(n)))
+                    tree.add(*out[-1])
+            return out
+        offers += self._runners_up(main.arm, main.draft)
+        costs = self._costs()
+        reach: list[float] = []  # per node: the chance that its path is accepted
+        taken: dict[int, float] = {}  # per node (-1: the root): the acceptance its children already claim
+        self._claim(tree, main.draft.tokens, self._rates(main.arm, main.draft), reach, taken)
+        tree, out = tree.copy(), []
+        while offers:
+            size, best = tree.size, (0.0, -1, 0)
+            for i, (_, draft, rates) in enumerate(offers):
+                gains, shared = _branch_gains(tree, draft.tokens, rates, reach, taken, max_nodes - size)
+                if len(gains):
+                    verify = np.array([costs.target(size + 1 + e) for e in range(len(gains) + 1)])
+                    net = gains - self._bar * (verify[1:] - verify[0])
+                    e = int(np.argmax(net))
+                    if net[e] > best[0]:
+                        best = (float(net[e]), i, shared + e + 1)
+            if best[1] < 0:
+                break
+            arm, draft, rates = offers.pop(best[1])
+            out.append((arm, draft.truncated(best[2])))
+            tree.add(arm, out[-1][1])
+            self._claim(tree, out[-1][1].tokens, rates, reach, taken)
+        return out
+
+    def _rates(self, arm: int | None, draft: Draft) -> np.ndarray:
+        if arm is None:
+            return np.zeros(len(draft.tokens))
+        return self.acceptance.rates(arm, draft.confidence, len(draft.tokens))
+
+    def _runners_up(self, arm: int | None, draft: Draft) -> list[tuple[int, Draft, np.ndarray]]:
+        """A model draft's runner-up at token j as a one-node offer: the draft's first j tokens then the runner-up,
+        accepted after them with the chance the draft's token j is rejected times the runner-up's own rate there
+        (learned in `feedback`, per level of its probability)."""
+        if arm is None or self.free[arm] or not draft.runners_up:
+            return []
+        rates, out = self._rates(arm, draft), []
+        for j, (token, prob) in enumerate(draft.runners_up[: len(draft.tokens)]):
+            if prob > 0:
+                own = (1.0 - rates[j]) * self.acceptance.rate_at(2 * self.n_arms + arm, prob, j)
+                out.append((arm, Draft([*draft.tokens[:j], token]), np.append(rates[:j], own)))
+        return out
+
+    @staticmethod
+    def _claim(tree: DraftTree, tokens: list[int], rates: np.ndarray, reach: list[float], taken: dict) -> None:
+        """Record the reach of the nodes a branch with these tokens (already in the tree) added, in node order."""
+        parent = -1
+        for token, rate in zip(tokens, rates[: len(tokens)], strict=True):
+            node = tree.child(parent, token)
+            if node >= len(reach):
+                own = min(float(rate), max(0.0, 1.0 - taken.get(parent, 0.0)))
+                reach.append((reach[parent] if parent >= 0 else 1.0) * own)
+                taken[parent] = taken.get(parent, 0.0) + own
+            parent = node
+
     # --- learning --------------------------------------------------------------------------------------------------
 
     def feedback(self, outcome: RoundOutcome) -> float:
@@ -276,6 +361,11 @@ class AdaptivePolicy:
         if arm is not None and not self.free[arm]:
             own = outcome.own
             self.acceptance.learn(arm, outcome.draft.truncated(own).confidence, min(outcome.accepted, own), own)
+            # its runner-up where its token was rejected: in the tree or not, the output says whether it was right
+            j, runners_up, at = outcome.accepted, outcome.draft.runners_up or [], outcome.start + outcome.accepted
+            if j < min(own, len(runners_up)) and at < len(outcome.context):
+                token, prob = runners_up[j]
+                self.acceptance.learn_at(2 * self.n_arms + arm, prob, j, outcome.context[at] == token)
         for a, draft in outcome.proposals.items():
             self.hindsight.add(a, outcome.start, draft.tokens, draft.confidence)
         tail = outcome.extension  # appended or not, a continuation that followed the true context is evidence
@@ -284,7 +374,7 @@ class AdaptivePolicy:
                 self.hindsight.add(self.n_arms + a, outcome.start + tail.start, draft.tokens, draft.confidence)
         self._resolve(outcome.context, final=False)
         spent = outcome.draft_time + outcome.verify_time
-        score = (outcome.accepted + 1) * outcome.plain_step_time / spent if spent > 0 else 0.0
+        score = (outcome.gained + 1) * outcome.plain_step_time / spent if spent > 0 else 0.0
         if arm is not None:
             self.pulls[arm] += 1
             self.mean_rewards[arm] += (score - self.mean_rewards[arm]) / self.pulls[arm]
@@ -325,6 +415,29 @@ class AdaptivePolicy:
         if self.costs is None:
             raise RuntimeError("metasd-adaptive needs the engine's cost model: call attach() first")
         return self.costs
+
+
+def _branch_gains(
+    tree: DraftTree, tokens: list[int], rates: np.ndarray, reach: list[float], taken: dict, room: int
+) -> tuple[np.ndarray, int]:
+    """[e] expected accepted tokens of the first 1..e nodes a branch with these tokens (conditional acceptance
+    `rates`) would add, at most `room`; and how many of its tokens the tree already holds (a shared prefix)."""
+    parent, shared = -1, 0
+    while shared < len(tokens) and (node := tree.child(parent, tokens[shared])) is not None:
+        parent, shared = node, shared + 1
+    own = np.array(rates[shared : shared + max(room, 0)], dtype=float)
+    if len(own) == 0:
+        return own, shared
+    own[0] = min(own[0], max(0.0, 1.0 - taken.get(parent, 0.0)))
+    return (reach[parent] if parent >= 0 else 1.0) * np.cumsum(np.cumprod(own)), shared
+
+
+def _fitting(tree: DraftTree, tokens: list[int], room: int) -> int:
+    """The most of `tokens` whose new nodes fit in `room` more nodes."""
+    n = len(tokens)
+    while n and tree.new_nodes(tokens[:n]) > room:
+        n -= 1
+    return n
 
 
 def _net_gains(reach: float, rates: np.ndarray, times: np.ndarray, bar: float) -> np.ndarray:

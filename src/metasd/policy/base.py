@@ -12,6 +12,7 @@ from typing import Protocol
 
 from ..drafters.base import Draft, StopRule
 from ..outcome import RoundOutcome
+from ..tree import DraftTree
 from .hindsight import Hindsight
 from .rewards import reward
 
@@ -27,6 +28,7 @@ class Policy(Protocol):
     full_information: bool  # also learns, in hindsight, from every free drafter that did not draft the round
     wants_proposals: bool  # the engine asks every free drafter for a proposal each round, before choose()
     extends: bool  # the engine offers a model drafter's draft for continuation by a free drafter (`extension`)
+    grows_trees: bool  # the engine asks which free proposals to verify beside the chosen draft (`branches`)
     max_draft: int | None  # longest draft it may choose; None: the decoder's draft_len
     pulls: list[int]
     mean_rewards: list[float]
@@ -49,6 +51,10 @@ class Policy(Protocol):
         """After model drafter `arm` drafted: which free drafter's proposal for the context extended by the draft
         to append, and how many of its tokens (None: none). Asked only of policies with `extends`."""
 
+    def branches(self, tree: DraftTree, proposals: Mapping[int, Draft], max_nodes: int) -> list[tuple[int, Draft]]:
+        """Branches (drafter, deterministic draft) to join the round's tree, which holds the chosen draft; the tree
+        stays within max_nodes. Asked only of policies with `grows_trees`."""
+
     def feedback(self, outcome: RoundOutcome) -> float | None: ...
     def finish(self, context: list[int]) -> None: ...  # the request ended with this context
     def reset(self) -> None: ...
@@ -64,6 +70,7 @@ class ArmStats:
 
     full_information = False
     extends = False  # the paper's bandits score whole drafts of the drafter they picked
+    grows_trees = False  # and verify that drafter's draft alone
     max_draft: int | None = None
 
     def __init__(self, n_arms: int, reward: str = "bd") -> None:
