@@ -66,6 +66,28 @@ def test_train_eagle_writes_a_head_the_decoder_drafts_with(tiny_target, prompts_
     assert result.stats.drafters()[f"eagle:{out}"].drafted > 0
 
 
+def test_a_head_trains_on_the_union_of_corpora_written_before(tiny_target, prompts_file, tmp_path, capsys):
+    """The OFA head of the MetaEagle pool: no prompts, the domain corpora as they are; a missing one is refused."""
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    for name, prompts in (("a", PROMPTS[:3]), ("b", PROMPTS[3:])):
+        write_corpus(target, encode_prompts(target.tokenizer, chat(prompts), 64), tmp_path / name, max_new_tokens=4)
+    out = tmp_path / "union"
+    args = ["train-eagle", "--target", tiny_target, "--out", str(out), "--quiet", "--epochs", "1", "--threads", "1"]
+    args += ["--batch-tokens", "256", "--draft-vocab", "256"]
+    assert main([*args, "--corpus", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    held = report["training"]["held_out"]
+    assert report["corpus"] is None
+    assert report["training"]["sequences"] + (held["sequences"] if held else 0) == len(PROMPTS)
+    assert load_head(out).head.config.draft_vocab_size == 256
+    assert main([*args, "--corpus", str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
+    assert "no corpus shards" in capsys.readouterr().err
+    assert main(args) == 2
+    assert "nothing to train on" in capsys.readouterr().err
+
+
 def test_the_corpus_holds_the_targets_greedy_answers_and_features(tiny_target, tmp_path):
     from metasd.models.loading import load_model
 
