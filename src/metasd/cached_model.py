@@ -127,13 +127,15 @@ class CachedModel:
                     break
                 path.append(node)
                 parent = node
-        index = torch.tensor([*range(base), *(base + n for n in path)], device=self.device)
+        # the path's entries moved behind the context in place, the rest cut off by a view: no copy of the context's
+        index, end = torch.tensor([base + n for n in path], dtype=torch.long, device=self.device), base + len(path)
         for layer in self.cache.layers:
             if layer.is_initialized:
-                layer.keys = layer.keys.index_select(-2, index)
-                layer.values = layer.values.index_select(-2, index)
+                layer.keys[..., base:end, :] = layer.keys[..., index, :]
+                layer.values[..., base:end, :] = layer.values[..., index, :]
+                layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
         if self.features is not None:
-            self.features[base : base + len(path)] = self.features[base + torch.tensor(path, dtype=torch.long)]
+            self.features[base:end] = self.features[index]
         self.tokens = self.tokens + tree.path_tokens(path)
 
     def _forward(self, ids: torch.Tensor, keep: int, last: int, **kwargs):
