@@ -270,7 +270,7 @@ def test_greedy_output_applies_the_targets_own_logits_processors(penalised):
     reference = greedy_reference(model, PROMPT, 32)
     assert _unpenalised(model, PROMPT, 32) != reference  # the penalty changes this model's output: the test can tell
     decoder = Decoder(target=path, drafters=["ngram", f"lm:{path}"], draft_len=3)
-    for policy in ("fixed:ngram", f"fixed:lm:{path}", "metasd-adaptive", "none"):
+    for policy in ("fixed:ngram", f"fixed:lm:{path}", "metasd-adaptive", "metasd-adaptive:tree=2", "none"):
         result = decoder.generate(PROMPT, max_new_tokens=32, policy=policy)
         assert result.token_ids == reference, policy
 

@@ -141,10 +141,9 @@ class CachedModel:
     def _forward(self, ids: torch.Tensor, keep: int, last: int, **kwargs):
         """The model's forward over `ids` after `keep` cached tokens; with keep_features, the final norm's output
         for them is kept in `features[keep:]`."""
-        captured = []
-        norm = self.model.get_decoder().norm
-        # hooked for this forward only: the weights may be shared with other caches (an lm: drafter)
-        hook = norm.register_forward_hook(lambda m, a, out: captured.append(out)) if self.keep_features else None
+        captured, hook = [], None
+        if self.keep_features:  # hooked for this forward only: the weights may be shared with other caches (lm:)
+            hook = self.model.get_decoder().norm.register_forward_hook(lambda m, a, out: captured.append(out))
         try:
             out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last, **kwargs)
         finally:
