@@ -108,8 +108,9 @@ class AdaptivePolicy:
       to a context it could not reach alone, and where T(M) is nearly flat the extra tokens cost little to verify.
       But they are verified at longer M and add proposals every round, so it is off by default (chosen by
       measurement: see docs/decisions.md).
-    - `tree=1`: the other free drafters' proposals join the chosen draft as branches of one token tree, verified in
-      the same forward (`branches`; SpecInfer, arXiv 2305.09781), each cut where its expected accepted tokens stop
+    - `tree=1`: the other free drafters' proposals, and a model draft's runners-up, join the chosen draft as
+      branches of one token tree verified in the same forward (`branches`; SpecInfer, arXiv 2305.09781; EAGLE-2's
+      top-k siblings), each cut where its expected accepted tokens stop
       paying for the extra verification at the round's bar: where T(M) is flat a round can take a path no single
       drafter offered, where it is steep the tree stays a chain. `tree=2` adds every proposal whole (no sizing),
       the "verify everything" baseline.
@@ -307,10 +308,10 @@ class AdaptivePolicy:
         while offers:
             size, best = tree.size, (0.0, -1, 0)
             for i, (_, draft, rates) in enumerate(offers):
-                gains, shared = _branch_gains(tree, draft.tokens, rates, reach, taken, max_nodes - size)
-                if len(gains):
-                    verify = np.array([costs.target(size + 1 + e) for e in range(len(gains) + 1)])
-                    net = gains - self._bar * (verify[1:] - verify[0])
+                start, own, shared = _new_nodes(tree, draft.tokens, rates, reach, taken, max_nodes - size)
+                if len(own):
+                    verify = np.array([costs.target(size + 1 + e) for e in range(len(own) + 1)])
+                    net = _net_gains(start, own, verify[1:] - verify[0], self._bar)
                     e = int(np.argmax(net))
                     if net[e] > best[0]:
                         best = (float(net[e]), i, shared + e + 1)
@@ -417,19 +418,19 @@ class AdaptivePolicy:
         return self.costs
 
 
-def _branch_gains(
+def _new_nodes(
     tree: DraftTree, tokens: list[int], rates: np.ndarray, reach: list[float], taken: dict, room: int
-) -> tuple[np.ndarray, int]:
-    """[e] expected accepted tokens of the first 1..e nodes a branch with these tokens (conditional acceptance
-    `rates`) would add, at most `room`; and how many of its tokens the tree already holds (a shared prefix)."""
+) -> tuple[float, np.ndarray, int]:
+    """What a branch with these tokens (conditional acceptance `rates`) would add: the reach of the node it leaves
+    the tree from, the acceptance of each new node (at most `room`; the first capped by what its siblings claim),
+    and how many of its tokens the tree already holds (a shared prefix)."""
     parent, shared = -1, 0
     while shared < len(tokens) and (node := tree.child(parent, tokens[shared])) is not None:
         parent, shared = node, shared + 1
     own = np.array(rates[shared : shared + max(room, 0)], dtype=float)
-    if len(own) == 0:
-        return own, shared
-    own[0] = min(own[0], max(0.0, 1.0 - taken.get(parent, 0.0)))
-    return (reach[parent] if parent >= 0 else 1.0) * np.cumsum(np.cumprod(own)), shared
+    if len(own):
+        own[0] = min(own[0], max(0.0, 1.0 - taken.get(parent, 0.0)))
+    return (reach[parent] if parent >= 0 else 1.0), own, shared
 
 
 def _fitting(tree: DraftTree, tokens: list[int], room: int) -> int:
