@@ -73,10 +73,7 @@ class CachedModel:
         """Logits [last, V] predicting the token after each of the final `last` positions of `tokens`."""
         if not 1 <= last <= len(tokens):
             raise ValueError(f"need 1 <= last <= {len(tokens)}, got {last}")
-        self._settle(tokens)
-        keep = min(common_prefix(self.tokens, tokens), len(tokens) - last)
-        if keep < len(self.tokens):
-            self.cache.crop(keep - len(self.tokens))
+        keep = self._reuse(tokens, last)
         new = tokens[keep:]
         out = self._forward(torch.tensor([new], device=self.device), keep, last=last)
         if self.cache.get_seq_length() != len(tokens):
@@ -97,10 +94,7 @@ class CachedModel:
             return self.logits_for(context + tree.tokens, last=tree.size + 1)
         if not all(type(layer).crop is DynamicLayer.crop for layer in self.cache.layers):
             raise ValueError("draft trees need a cache of plain (not sliding-window) layers to keep one path")
-        self._settle(context)
-        keep = min(common_prefix(self.tokens, context), len(context) - 1)
-        if keep < len(self.tokens):
-            self.cache.crop(keep - len(self.tokens))
+        keep = self._reuse(context, 1)
         pending = context[keep:]
         dtype = next(self.model.parameters()).dtype
         mask, positions = tree.attention(keep, len(pending), dtype, self.device)
@@ -112,6 +106,15 @@ class CachedModel:
         self.fed_tokens += len(pending) + tree.size
         self._tree = tree
         return self._logits(out)
+
+    def _reuse(self, tokens: list[int], last: int) -> int:
+        """Cached tokens kept for a forward over `tokens`: the prefix they share with the cache (any tree settled
+        first), leaving at least the final `last` to feed, whose logits are asked for. The cache is cropped to it."""
+        self._settle(tokens)
+        keep = min(common_prefix(self.tokens, tokens), len(tokens) - last)
+        if keep < len(self.tokens):
+            self.cache.crop(keep - len(self.tokens))
+        return keep
 
     @torch.inference_mode()
     def _settle(self, tokens: list[int]) -> None:

@@ -417,7 +417,7 @@ class Generation:
             logits = process(self.processors, logits, context, tree.prefixes())
         prefilled = lm.fed_tokens - fed > tree.size + 1
         p = None if params.greedy else probabilities(logits, params)
-        (main,) = tree.branches[:1]
+        main = tree.branches[0]
         if len(tree.branches) > 1:
             verdict = verify_tree_greedy(logits, tree) if p is None else verify_tree_sampling(p, tree, generator)
             p = None if p is None else p[[0, *(n + 1 for n in main.nodes)]]
