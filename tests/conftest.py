@@ -9,6 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 QUESTIONS = Path(__file__).resolve().parent / "data" / "questions.jsonl"  # Spec-Bench's format, written for the tests
 
@@ -23,3 +24,18 @@ def embedded():
 @pytest.fixture(scope="session")
 def questions_path() -> Path:
     return QUESTIONS
+
+
+@pytest.fixture(scope="module")
+def pair(embedded, tmp_path_factory):
+    """A tiny random target and a drafter near it (its weights plus noise), saved with the embedded tokenizer:
+    the sampling-distribution tests' pair, (target model, target dir, drafter dir)."""
+    from helpers import tiny_vocab_llama
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("drafter")
+    target = tiny_vocab_llama(target_dir, embedded.tokenizer, 0)
+    tiny_vocab_llama(draft_dir, embedded.tokenizer, 1, base=target, noise=0.15)
+    yield target, str(target_dir), str(draft_dir)
+    torch.set_num_threads(threads)

@@ -4,6 +4,7 @@ sampled outputs."""
 import math
 from collections import Counter
 
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -50,3 +51,31 @@ def tiny_llama(vocab_size: int = 64, layers: int = 1, positions: int = 128, **ov
         "max_position_embeddings": positions,
     }
     return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).eval()
+
+
+def tiny_vocab_llama(path, tokenizer, seed: int, base=None, noise: float = 0.0) -> LlamaForCausalLM:
+    """A one-layer Llama over the full vocabulary; its head scaled so that top-p keeps a handful of tokens."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        if base is not None:  # the drafter: the target's weights plus noise, so q is near p but not equal
+            model.load_state_dict(base.state_dict())
+            for w in model.parameters():
+                w.add_(torch.randn_like(w) * noise * w.std())
+        else:
+            model.lm_head.weight.mul_(60.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model.eval()

@@ -11,9 +11,9 @@ import json
 
 import pytest
 import torch
-from helpers import chi2, chi2_bound, greedy_reference
+from helpers import chi2, chi2_bound, greedy_reference, tiny_vocab_llama
 from test_engine import CATEGORIES, MAX_NEW
-from test_sampling_distribution import DRAWS, _tiny, draw, exact_pairs
+from test_sampling_distribution import DRAWS, draw, exact_pairs
 
 from metasd import Decoder
 
@@ -76,8 +76,8 @@ def test_half_precision_runs_on_cuda(embedded, dtype):
 
 def test_sampled_output_follows_the_targets_distribution_on_cuda(embedded, tmp_path):
     target_dir, draft_dir = tmp_path / "target", tmp_path / "drafter"
-    target = _tiny(target_dir, embedded.tokenizer, 0)
-    _tiny(draft_dir, embedded.tokenizer, 1, base=target, noise=0.15)
+    target = tiny_vocab_llama(target_dir, embedded.tokenizer, 0)
+    tiny_vocab_llama(draft_dir, embedded.tokenizer, 1, base=target, noise=0.15)
     decoder = Decoder(
         target=str(target_dir), drafters=[f"lm:{draft_dir}"], policy=f"fixed:lm:{draft_dir}", draft_len=3, device="cuda"
     )

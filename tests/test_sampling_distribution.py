@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from helpers import chi2, chi2_bound, greedy_reference
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import chi2, chi2_bound, greedy_reference, tiny_vocab_llama
+from transformers import LlamaForCausalLM
 
 from metasd import Decoder
 from metasd.drafters.base import Draft
@@ -20,45 +20,6 @@ from metasd.sampling import SamplingParams, probabilities
 PARAMS = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
 DRAWS = 800  # ~30 ms each on a busy 2-core machine; a broken q gives chi2 ~5x the bound at this size
 PROMPT = [504, 2365, 314]  # any ids: the models are random
-
-
-def _tiny(path, tokenizer, seed: int, base=None, noise: float = 0.0) -> LlamaForCausalLM:
-    """A one-layer Llama over the full vocabulary; its head scaled so that top-p keeps a handful of tokens."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        if base is not None:  # the drafter: the target's weights plus noise, so q is near p but not equal
-            model.load_state_dict(base.state_dict())
-            for w in model.parameters():
-                w.add_(torch.randn_like(w) * noise * w.std())
-        else:
-            model.lm_head.weight.mul_(60.0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def pair(embedded, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("drafter")
-    target = _tiny(target_dir, embedded.tokenizer, 0)
-    _tiny(draft_dir, embedded.tokenizer, 1, base=target, noise=0.15)
-    yield target, str(target_dir), str(draft_dir)
-    torch.set_num_threads(threads)
 
 
 def exact_pairs(model: LlamaForCausalLM, process=None, prompt=PROMPT) -> dict[tuple[int, int], float]:
@@ -247,7 +208,7 @@ def penalised(embedded, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("penalised")
-    model = _tiny(path, embedded.tokenizer, 2)
+    model = tiny_vocab_llama(path, embedded.tokenizer, 2)
     model.generation_config.repetition_penalty = PENALTY
     model.generation_config.save_pretrained(path)
     yield model, str(path)
@@ -303,7 +264,7 @@ def test_sampled_output_applies_the_targets_own_logits_processors(penalised):
 def test_a_target_whose_generation_config_needs_another_model_is_refused(embedded, tmp_path):
     """Classifier-free guidance runs the model on a second, unconditional prompt: not a function of the context
     that verification could apply, so the decoder refuses the target and says how to clear the setting."""
-    model = _tiny(tmp_path, embedded.tokenizer, 3)
+    model = tiny_vocab_llama(tmp_path, embedded.tokenizer, 3)
     model.generation_config.guidance_scale = 1.5
     model.generation_config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"guidance_scale.*generation_config\.guidance_scale = None"):

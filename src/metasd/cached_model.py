@@ -122,14 +122,8 @@ class CachedModel:
         tree, self._tree = self._tree, None
         if tree is None:
             return
-        base, parent, path = len(self.tokens), -1, []
-        if tokens[:base] == self.tokens:
-            for token in tokens[base:]:
-                node = tree.child(parent, token)
-                if node is None:
-                    break
-                path.append(node)
-                parent = node
+        base = len(self.tokens)
+        path = tree.follow(tokens[base:]) if tokens[:base] == self.tokens else []
         # the path's entries moved behind the context in place, the rest cut off by a view: no copy of the context's
         index, end = torch.tensor([base + n for n in path], dtype=torch.long, device=self.device), base + len(path)
         for layer in self.cache.layers:

@@ -257,8 +257,30 @@ class Decoder:
         return policy
 
 
+@dataclass
+class Turn:
+    """One round of a request between its phases (`Generation.outlook`, `choose`, `draft`, `conclude`): what the
+    policy saw, what it chose, and the tree the target verifies. A batch runs each phase for every request in
+    flight and one target forward for all of them."""
+
+    clock: _Clock
+    limit: int  # the longest draft this round may verify (max_draft, and the tokens still wanted)
+    remaining: int  # tokens the request may still generate
+    lags: list[int]  # tokens each model drafter must take in before drafting
+    fresh: list[bool]  # model drafters that have not drafted in this request yet
+    proposals: dict[int, Draft]  # every free drafter's proposal (for policies that want them)
+    proposal_times: dict[int, float]
+    arm: int | None = None
+    k: int = 0
+    draft: Draft = field(default_factory=lambda: Draft([]))
+    extension: Extension | None = None
+    tree: DraftTree = field(default_factory=DraftTree)
+
+
 class Generation:
-    """One request in flight; iterate it to decode, stop iterating to abandon it."""
+    """One request in flight; iterate it to decode, stop iterating to abandon it.
+
+    Its target is the decoder's cache, or a row of a batch (`metasd.batching`), which drives the same phases."""
 
     def __init__(
         self,
@@ -275,11 +297,17 @@ class Generation:
         self.params = params
         self.policy = policy
         self.pool = pool
+        self.target = decoder._lm  # what verifies: logits_for_tree, fed_tokens, reset (a batch gives a row)
         self.token_ids: list[int] = []
+        self.context = list(prompt)
         self.finish_reason = "length"
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.max_draft = (policy.max_draft if policy is not None else None) or decoder.draft_len
         self._drafted: set[str] = set()  # drafters that drafted in this request (their caches hold the prompt)
+        self._synced: dict[str, int] = {}  # context length each model drafter's cache has seen
+        self._generator = torch.Generator()
+        self._started: float | None = None
+        self._finished = False
         # the logits processors the target's generation config makes its own generate() apply (None: none)
         self.processors = target_processors(decoder.target.model, len(prompt), max_new_tokens, decoder.target.spec)
         self._iter = self._rounds()
@@ -290,105 +318,150 @@ class Generation:
     def close(self) -> None:
         """Abandon the request now rather than whenever it is garbage-collected: the drafters see its end."""
         self._iter.close()
+        self.finish()
 
     def result(self) -> GenerationResult:
         return GenerationResult(
             self.decoder.decode(self.token_ids), list(self.token_ids), self.stats, self.finish_reason
         )
 
-    def _rounds(self) -> Iterator[list[int]]:
-        dec = self.decoder
-        generator = torch.Generator()
+    @property
+    def done(self) -> bool:
+        return len(self.token_ids) >= self.max_new_tokens or self.finish_reason == "stop"
+
+    def begin(self) -> None:
+        """The request starts: its sampling generator, the target's cache, the drafters and the policy."""
         if self.params.seed is not None:
-            generator.manual_seed(self.params.seed)
+            self._generator.manual_seed(self.params.seed)
         else:
-            generator.seed()
-        context = list(self.prompt)
-        dec._lm.reset()
+            self._generator.seed()
+        self.target.reset()
         for drafter in self.pool:
             drafter.begin(self.prompt)
-        if self.policy is not None and dec.policy_scope == "request":
+        if self.policy is not None and self.decoder.policy_scope == "request":
             self.policy.reset()
-        synced = {d.name: 0 for d in self.pool}  # context length each model drafter's cache has seen
-        start = time.perf_counter()
-        try:
-            while len(self.token_ids) < self.max_new_tokens and self.finish_reason != "stop":
-                new = self._round(context, generator, synced)
-                self.stats.new_tokens = len(self.token_ids)
-                self.stats.wall_time = time.perf_counter() - start
-                yield new
-        finally:  # also when the consumer stops early: what was generated is real output
-            if self.policy is not None:
-                self.policy.finish(context)
-            for drafter in self.pool:
-                drafter.end(context)
+        self._synced = {d.name: 0 for d in self.pool}
+        self._started = time.perf_counter()
 
-    def _round(self, context: list[int], generator: torch.Generator, synced: dict[str, int]) -> list[int]:
-        """Choose, draft, verify, learn: extends context by the tokens this round adds, and returns them."""
-        policy, clock = self.policy, _Clock()
+    def finish(self) -> None:
+        """The request ended (or was abandoned): what was generated is real output, for the policy and drafters."""
+        if self._finished or self._started is None:
+            return
+        self._finished = True
+        if self.policy is not None:
+            self.policy.finish(self.context)
+        for drafter in self.pool:
+            drafter.end(self.context)
+
+    def _rounds(self) -> Iterator[list[int]]:
+        self.begin()
+        try:
+            while not self.done:
+                yield self.step()
+        finally:  # also when the consumer stops early
+            self.finish()
+
+    def step(self) -> list[int]:
+        """One round on its own: choose, draft, verify, learn. Returns the tokens it added to the context."""
+        turn = self.outlook()
+        self.choose(turn)
+        self.draft(turn)
+        turn.clock.verifying = time.perf_counter()
+        fed = self.target.fed_tokens
+        logits = self.target.logits_for_tree(self.context, turn.tree)
+        turn.clock.forwarded = time.perf_counter()
+        prefilled = self.target.fed_tokens - fed > turn.tree.size + 1
+        return self.conclude(turn, logits, prefilled=prefilled, alone=True)
+
+    def outlook(self) -> Turn:
+        """What a round starts from: the draft room, the drafters' lags, and the free drafters' proposals."""
+        clock = _Clock()
         remaining = self.max_new_tokens - len(self.token_ids)
         limit = min(self.max_draft, remaining - 1)
         # tokens each model drafter must take in before drafting: the prompt on its first draft, then what it missed
-        lags = [len(context) - synced[d.name] if d.has_cache else 0 for d in self.pool]
+        lags = [len(self.context) - self._synced[d.name] if d.has_cache else 0 for d in self.pool]
         fresh = [d.has_cache and d.name not in self._drafted for d in self.pool]
-        proposals, proposal_times = self._proposals(context, limit) if policy and policy.wants_proposals else ({}, {})
-        arm, k = (None, 0)
-        if policy is not None and limit > 0:
-            arm, k = policy.choose(limit, proposals, lags, remaining=remaining, fresh=fresh)
-        clock.chosen = time.perf_counter()
-        draft = self._draft(arm, k, context, proposals, generator)
-        clock.drafted = time.perf_counter()
-        draft, extension = self._continue(arm, draft, context, limit)
-        tree = self._grow(arm, draft, proposals)
-        verdict, p, prefilled = self._verify(context, tree, generator, clock)
+        wants = self.policy is not None and self.policy.wants_proposals
+        proposals, times = self._proposals(self.context, limit) if wants else ({}, {})
+        return Turn(clock, limit, remaining, lags, fresh, proposals, times)
+
+    def choose(self, turn: Turn) -> None:
+        """The policy's (drafter, k) for a request decoding alone."""
+        if self.policy is not None and turn.limit > 0:
+            turn.arm, turn.k = self.policy.choose(
+                turn.limit, turn.proposals, turn.lags, remaining=turn.remaining, fresh=turn.fresh
+            )
+
+    def draft(self, turn: Turn, stop_rules: bool = True) -> None:
+        """The chosen drafter drafts (its stop rule may end it early: stop_rules), a free drafter may continue it,
+        and a policy that grows trees adds branches."""
+        turn.clock.chosen = time.perf_counter()
+        draft = self._draft(turn.arm, turn.k, self.context, turn.proposals, self._generator, stop_rules)
+        turn.clock.drafted = time.perf_counter()
+        turn.draft, turn.extension = self._continue(turn.arm, draft, self.context, turn.limit)
+        turn.tree = self._grow(turn.arm, turn.draft, turn.proposals)
+
+    def conclude(self, turn: Turn, logits: torch.Tensor, prefilled: bool, alone: bool) -> list[int]:
+        """The acceptance rule on the target's logits for the turn's tree, then the policy learns and the statistics
+        record the round. prefilled: the forward also took in the prompt; alone: it verified this request only
+        (then it measures T(M); a batch's forward measures the batch's costs). Returns the tokens added."""
+        policy, clock, tree, draft, arm = self.policy, turn.clock, turn.tree, turn.draft, turn.arm
+        verdict, p = self._accept(logits, tree)
+        clock.verified = time.perf_counter()
         path = tree.path_tokens(verdict.path)
         new = self._emit(path + [verdict.next_token])
         accepted = common_prefix(draft.tokens, path)  # of the chosen drafter's draft
-        start = len(context)
-        context += new
+        start = len(self.context)
+        self.context += new
         self.token_ids += new
         outcome = RoundOutcome(
             arm=arm,
-            k=k,
+            k=turn.k,
             draft=draft,
             accepted=accepted,
             start=start,
-            context=context,
+            context=self.context,
             p=p,
             target_tokens=verdict.target_tokens,
-            proposals=proposals,
-            extension=extension,
+            proposals=turn.proposals,
+            extension=turn.extension,
             tree_accepted=None if len(tree.branches) == 1 else len(path),
-            **self._reward_times(arm, draft, tree.size, proposal_times.get(arm, 0.0), clock, prefilled, fresh),
+            **self._reward_times(
+                arm, draft, tree.size, turn.proposal_times.get(arm, 0.0), clock, prefilled, turn.fresh
+            ),
         )
         score = policy.feedback(outcome) if policy is not None else None
         drafter = self.pool[arm] if arm is not None else None
         if drafter is not None and drafter.has_cache:  # its cache holds the context it drafted from and forwards - 1
             # of its tokens; those the round accepted it need not take in again
-            synced[drafter.name] = start + min(max(draft.forwards - 1, 0), accepted)
+            self._synced[drafter.name] = start + min(max(draft.forwards - 1, 0), accepted)
             self._drafted.add(drafter.name)
         clock.finished = time.perf_counter()
-        taken_in = lags[arm] if arm is not None else 0
-        self._measure(drafter, draft, tree.size, taken_in, clock, prefilled, free=arm in proposals)
-        draft_time = proposal_times.get(arm, 0.0) + clock.draft_seconds
+        taken_in = turn.lags[arm] if arm is not None else 0
+        self._measure(drafter, draft, tree.size, taken_in, clock, prefilled or not alone, arm in turn.proposals)
+        draft_time = turn.proposal_times.get(arm, 0.0) + clock.draft_seconds
         self.stats.rounds.append(
             Round(
                 drafter=drafter.name if drafter else None,
                 drafted=len(draft.tokens),
                 accepted=min(accepted, len(new)),
                 reward=score,
-                catch_up=taken_in - len(self.prompt) if arm is not None and fresh[arm] else taken_in,  # no prompt
+                catch_up=taken_in - len(self.prompt) if arm is not None and turn.fresh[arm] else taken_in,  # no prompt
                 draft_time=draft_time,
                 verify_time=clock.verify_seconds,
                 policy_time=clock.total_seconds - draft_time - clock.verify_seconds,
                 emitted=len(new),
-                chosen_k=k,
+                chosen_k=turn.k,
                 extended=len(draft.tokens) - outcome.own,
-                continued_by=self.pool[extension.arm].name if extension and extension.arm is not None else None,
+                continued_by=self.pool[extension.arm].name
+                if (extension := turn.extension) and extension.arm is not None
+                else None,
                 branch_nodes=tree.size - len(draft.tokens),
                 branch_accepted=max(min(len(path), len(new)) - min(accepted, len(new)), 0),
             )
         )
+        self.stats.new_tokens = len(self.token_ids)
+        self.stats.wall_time = time.perf_counter() - self._started
         return new
 
     def _grow(self, arm: int | None, draft: Draft, proposals: dict[int, Draft]) -> DraftTree:
@@ -402,31 +475,21 @@ class Generation:
                 tree.add(branch_arm, branch)
         return tree
 
-    def _verify(
-        self, context: list[int], tree: DraftTree, generator: torch.Generator, clock: _Clock
-    ) -> tuple[Verdict, torch.Tensor | None, bool]:
-        """One target forward over the draft tree, the target's own logits processors, the acceptance rule: the
-        verdict, p (sampling only: the rows of the chosen draft) and whether the forward also prefilled the prompt
-        (then it is no measure of T(M))."""
-        lm, params = self.decoder._lm, self.params
-        clock.verifying = time.perf_counter()
-        fed = lm.fed_tokens
-        logits = lm.logits_for_tree(context, tree)
-        clock.forwarded = time.perf_counter()
+    def _accept(self, logits: torch.Tensor, tree: DraftTree) -> tuple[Verdict, torch.Tensor | None]:
+        """The target's own logits processors, then the acceptance rule over the tree: the verdict and p (sampling
+        only: the rows of the chosen draft)."""
         if self.processors is not None:  # each row as generate processes it after the context and its path
-            logits = process(self.processors, logits, context, tree.prefixes())
-        prefilled = lm.fed_tokens - fed > tree.size + 1
-        p = None if params.greedy else probabilities(logits, params)
+            logits = process(self.processors, logits, self.context, tree.prefixes())
+        p = None if self.params.greedy else probabilities(logits, self.params)
         main = tree.branches[0]
         if len(tree.branches) > 1:
-            verdict = verify_tree_greedy(logits, tree) if p is None else verify_tree_sampling(p, tree, generator)
+            verdict = verify_tree_greedy(logits, tree) if p is None else verify_tree_sampling(p, tree, self._generator)
             p = None if p is None else p[[0, *(n + 1 for n in main.nodes)]]
         elif p is None:
             verdict = verify_greedy(logits, main.draft.tokens)
         else:
-            verdict = verify_sampling(p, main.draft.q, main.draft.tokens, generator)
-        clock.verified = time.perf_counter()
-        return verdict, p, prefilled
+            verdict = verify_sampling(p, main.draft.q, main.draft.tokens, self._generator)
+        return verdict, p
 
     def _reward_times(
         self,
@@ -458,20 +521,21 @@ class Generation:
         verified: int,
         taken_in: int,
         clock: _Clock,
-        prefilled: bool,
+        unmeasured: bool,
         free: bool,
     ) -> None:
-        """The machine's costs, whatever the policy: every round is a measurement (but prefills). T(M) is the
-        forward alone; the acceptance rule, processing and bookkeeping go to the regime's per-round overhead."""
+        """The machine's costs, whatever the policy: every round is a measurement (but prefills and batch rounds,
+        which measure other shapes). T(M) is the forward alone; the acceptance rule, processing and bookkeeping go
+        to the regime's per-round overhead."""
         costs = self.decoder._costs
         if costs is None:
             return
-        if not prefilled:
-            costs.target.observe(verified + 1, clock.forward_seconds)
         if drafter is not None and not free:
             costs.drafter(drafter.name).observe(draft.forwards, taken_in, clock.draft_seconds)
-        regime = "greedy" if self.params.greedy else "sampled"
-        costs.overhead[regime].add(max(clock.total_seconds - clock.draft_seconds - clock.forward_seconds, 0.0))
+        if not unmeasured:
+            costs.target.observe(verified + 1, clock.forward_seconds)
+            regime = "greedy" if self.params.greedy else "sampled"
+            costs.overhead[regime].add(max(clock.total_seconds - clock.draft_seconds - clock.forward_seconds, 0.0))
 
     def _proposals(self, context: list[int], k: int) -> tuple[dict[int, Draft], dict[int, float]]:
         """Every free drafter's k-token proposal (microseconds each), for policies that choose or learn from them."""
@@ -486,14 +550,20 @@ class Generation:
         return drafts, times
 
     def _draft(
-        self, arm: int | None, k: int, context: list[int], proposals: dict[int, Draft], generator: torch.Generator
+        self,
+        arm: int | None,
+        k: int,
+        context: list[int],
+        proposals: dict[int, Draft],
+        generator: torch.Generator,
+        stop_rules: bool,
     ) -> Draft:
         if arm is None or k == 0:
             return Draft([])
         if arm in proposals:  # deterministic tokens: cutting them to the chosen length biases nothing
             return proposals[arm].truncated(k)
         drafter = self.pool[arm]
-        stop = self.policy.stop_rule(arm, k)
+        stop = self.policy.stop_rule(arm, k) if stop_rules else None
         if stop is not None and isinstance(drafter, StoppableDrafter):
             draft = drafter.propose_until(context, k, self.params, generator, stop)
         else:

@@ -85,6 +85,17 @@ class DraftTree:
     def child(self, parent: int, token: int) -> int | None:
         return self._children.get((parent, token))
 
+    def follow(self, tokens: list[int]) -> list[int]:
+        """The nodes of the longest path from the root that spells a prefix of `tokens`."""
+        parent, path = -1, []
+        for token in tokens:
+            node = self._children.get((parent, token))
+            if node is None:
+                break
+            path.append(node)
+            parent = node
+        return path
+
     def path_tokens(self, path: list[int] | tuple[int, ...]) -> list[int]:
         return [self.tokens[n] for n in path]
 

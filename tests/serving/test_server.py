@@ -70,9 +70,18 @@ def server(embedded):
 
 @pytest.fixture(scope="module")
 def small(embedded):
-    """Server-scope policies and room for one waiting request; no API key. The paper's UCB drafts every round, so
-    the policy's pull counts grow on any machine (the default drafts only where this machine's costs say it pays)."""
-    with running(create_app(Decoder(drafters=POOL, policy="metasd-ucb", policy_scope="server"), max_queue=1)) as url:
+    """Server-scope policies, one request decoding at a time and room for one waiting; no API key. The paper's UCB
+    drafts every round, so the policy's pull counts grow on any machine (the default drafts only where this
+    machine's costs say it pays)."""
+    decoder = Decoder(drafters=POOL, policy="metasd-ucb", policy_scope="server")
+    with running(create_app(decoder, max_queue=1, max_batch=1)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def batched(embedded):
+    """Two requests decoding together, room for one waiting."""
+    with running(create_app(Decoder(drafters=POOL), max_queue=1, max_batch=2)) as url:
         yield url
 
 
@@ -371,6 +380,43 @@ def test_full_queue_answers_429_and_a_disconnect_frees_the_engine(small):
     assert httpx.post(f"{small}/v1/completions", json=short, timeout=60).status_code == 200
 
 
+def test_a_full_batch_queues_then_answers_429_and_bad_input_still_gets_its_4xx(batched):
+    long = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0, "stream": True}
+    short = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    with (
+        httpx.Client(base_url=batched, timeout=60) as a,
+        httpx.Client(base_url=batched, timeout=60) as b,
+        httpx.Client(base_url=batched, timeout=60) as c,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        with (
+            a.stream("POST", "/v1/completions", json=long) as first,
+            b.stream("POST", "/v1/completions", json=long) as second,
+        ):
+            lines = [first.iter_lines(), second.iter_lines()]  # kept: a dropped iterator closes its stream
+            for stream_lines in lines:
+                assert next(line for line in stream_lines if line.startswith("data: "))
+            # the worker checks a request's size against the context while others decode
+            bad = httpx.post(f"{batched}/v1/completions", json={**short, "max_tokens": 10**6}, timeout=30)
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "context_length_exceeded"
+            assert httpx.get(f"{batched}/health", timeout=5).json()["running"] == 2  # both decode, in one batch
+            waiting = pool.submit(c.post, "/v1/completions", json=short)
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{batched}/health", timeout=5).json()["waiting"] < 1:
+                assert time.monotonic() < deadline, "the third request never queued"
+                time.sleep(0.05)
+            r = httpx.post(f"{batched}/v1/completions", json=short, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            bad = httpx.post(f"{batched}/v1/completions", json={**short, "temperature": 5}, timeout=30)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"  # also past a full queue
+        # both streams hung up: the batch empties and the queued request decodes
+        assert waiting.result(timeout=60).status_code == 200
+    metrics = scrape(batched)
+    assert metrics["metasd:num_requests_running"] == 0
+    assert metrics["metasd:batch_size_count"] > 0 and metrics["metasd:batch_size_sum"] >= 2 * 2  # rounds of two
+    assert any(name.startswith("metasd:spec_decode_num_draft_tokens_by_batch_size_total") for name in metrics)
+
+
 def test_a_client_leaving_a_non_streaming_request_stops_it(small):
     def aborted() -> float:
         return scrape(small).get("metasd:request_success_total{'finished_reason': 'abort'}", 0.0)
@@ -665,12 +711,12 @@ def test_a_dead_decoding_thread_answers_503_at_once_and_fails_queued_requests(em
     app = create_app(Decoder(drafters=POOL), max_queue=4)
     entered, release = threading.Event(), threading.Event()
 
-    def dies(job) -> None:
+    def dies(job, gen) -> None:
         entered.set()
         release.wait(30)
         raise _Killed("the decoding thread dies")
 
-    app.state.engine._serve = dies
+    app.state.engine._join = dies
     body = {"prompt": PROMPT, "max_tokens": 4}
     with running(app) as url, ThreadPoolExecutor(2) as pool:
 

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ..batching import DEFAULT_MAX_BATCH
 from .args import add_decoder_args, add_policy_scope_arg, build_decoder
 
 
@@ -38,6 +39,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=64,
         help="requests that may wait behind the one decoding; more get 429 (default: %(default)s)",
     )
+    srv.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="requests decoded together, one target forward per round for all, each one's speculation chosen for "
+        "the whole batch; 1: one request at a time (default: %(default)s)",
+    )
     add_policy_scope_arg(srv, "it keeps learning across requests")
     srv.add_argument(
         "--replicas",
@@ -67,6 +75,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.api_key is not None and not all(args.api_key.split(",")):
         raise ValueError("--api-key is empty; give a real key or leave it out")
     if args.max_body_bytes < 1:
@@ -93,6 +103,7 @@ def run(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         history_scope=args.history_scope,
+        max_batch=args.max_batch,
     )
 
 
@@ -120,6 +131,7 @@ def _serve_replicas(args: argparse.Namespace) -> None:
         "max_queue": args.max_queue,
         "max_body_bytes": args.max_body_bytes,
         "history_scope": args.history_scope,
+        "max_batch": args.max_batch,
     }
     serve_replicas(
         decoder,

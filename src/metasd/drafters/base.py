@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,6 +110,14 @@ class Drafter(Protocol):
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         """Up to k tokens to follow context (fewer or none is allowed), drawn under params."""
+
+
+def for_request(drafter: Drafter) -> Drafter:
+    """The drafter for one request among several in flight (a batch): its own per-request state (`begin` makes it),
+    the weights and what it learns across requests shared. A drafter with more per-request state than `begin`
+    rebuilds (a model drafter's KV cache) defines `fork()`; the others are copied shallowly."""
+    fork = getattr(drafter, "fork", None)
+    return fork() if fork is not None else copy.copy(drafter)
 
 
 def draft_autoregressively(

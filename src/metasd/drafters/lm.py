@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -24,6 +25,12 @@ class ModelDrafter(AutoregressiveDrafter):
 
     def begin(self, prompt: list[int]) -> None:
         self.lm.reset()
+
+    def fork(self) -> ModelDrafter:
+        """The same weights with a KV cache of its own (`for_request`)."""
+        twin = copy.copy(self)
+        twin.lm = CachedModel(self.lm.model, vocab_size=self.lm.vocab_size)
+        return twin
 
     def next_q(self, context: list[int], params: SamplingParams) -> Callable[[list[int]], torch.Tensor]:
         """logits_for() first catches the cache up on whatever context it has not seen (missed rounds, rejections)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +25,21 @@ from ..outcome import RoundOutcome
 from ..tree import DraftTree
 from .acceptance import AcceptanceModel, expected_tokens
 from .hindsight import Hindsight
+
+
+@dataclass(frozen=True)
+class Option:
+    """A drafter's plan for one round: for k = 0 .. m drafted tokens, the expected tokens the round yields (`gain`,
+    with the optimism bonus: what choices use; `honest_gain` without it: what bars use) and the seconds of drafting
+    them (`draft`, `honest_draft`: a fresh drafter's prompt intake is charged by the share of the output it is
+    expected to yield)."""
+
+    arm: int
+    gain: np.ndarray
+    draft: np.ndarray
+    honest_gain: np.ndarray
+    honest_draft: np.ndarray
+
 
 DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1, "extend": 0, "tree": 0}
 _USAGE_PRIOR = 1.0  # pseudo-requests at full usage behind `AdaptivePolicy._usage`
@@ -217,33 +233,56 @@ class AdaptivePolicy:
         t = np.array([costs.target(m) for m in range(1, k_max + 2)]) + overhead  # t[k]: time to verify k drafted
         best: tuple[float, int | None, int] = (1.0 / t[0], None, 0)
         bar = best[0]  # the best rate any option offers on present evidence, optimism left out
+        for option in self.options(k_max, proposals, lags, remaining=remaining, fresh=fresh, step=t[0]):
+            m = len(option.gain) - 1
+            rate = option.gain / (t[: m + 1] + option.draft)
+            k = int(np.argmax(rate[1:])) + 1
+            bar = max(bar, float((option.honest_gain / (t[: m + 1] + option.honest_draft))[1:].max()))
+            if rate[k] > best[0]:  # a drafter that stops itself gets the explored length and ends where it pays
+                best = (float(rate[k]), option.arm, m if self.stoppable[option.arm] else k)
+        self._bar = bar
+        return best[1], best[2]
+
+    def options(
+        self,
+        k_max: int,
+        proposals: Mapping[int, Draft],
+        lags: Sequence[int],
+        *,
+        remaining: int | None = None,
+        fresh: Sequence[bool] | None = None,
+        step: float | None = None,
+    ) -> list[Option]:
+        """Every drafter that can draft this round, with its expected tokens and drafting time for each length.
+        step: the seconds of a plain step, what unmeasured drafters are guessed from (default: T(1))."""
+        step = self._costs().target(1) if step is None else step
+        out = []
         for arm in range(self.n_arms):
             if self.free[arm]:
                 draft = proposals.get(arm)
                 if draft is None or not draft.tokens:
                     continue
                 m = min(len(draft.tokens), k_max)
-                rate = expected_tokens(self.acceptance.rates(arm, draft.confidence, m)) / t[: m + 1]
-                honest = rate  # proposals are already paid for: only verification counts
+                gain = expected_tokens(self.acceptance.rates(arm, draft.confidence, m))
+                free = np.zeros(m + 1)  # proposals are already paid for: only verification counts
+                out.append(Option(arm, gain, free, gain, free))
             else:
                 m = self.acceptance.explored_length(arm, k_max)
                 fresh_arm = fresh is not None and fresh[arm] and bool(remaining)
-                rate, honest = self._model_rates(arm, m, t, lags[arm], fresh_arm, remaining)
-            k = int(np.argmax(rate[1:])) + 1
-            bar = max(bar, float(honest[1:].max()))
-            if rate[k] > best[0]:  # a drafter that stops itself gets the explored length and ends where it pays
-                best = (float(rate[k]), arm, m if self.stoppable[arm] else k)
-        self._bar = bar
-        return best[1], best[2]
+                out.append(self._model_option(arm, m, step, lags[arm], fresh_arm, remaining))
+        return out
 
-    def _model_rates(
-        self, arm: int, m: int, t: np.ndarray, lag: int, fresh: bool, remaining: int | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """[m + 1] expected tokens per second of drafting k = 0..m tokens with model drafter `arm`: with the
-        optimism bonus (what the choice uses) and without (what the stop rule's bar uses)."""
+    def use_bar(self, rate: float) -> None:
+        """The rate, in tokens per second, that later choices this round (continuations, branches) must beat: set
+        by a batch, whose rounds are shared (`metasd.batching`); `choose` sets its own."""
+        self._bar = rate
+
+    def _model_option(self, arm: int, m: int, step: float, lag: int, fresh: bool, remaining: int | None) -> Option:
+        """Model drafter `arm` drafting k = 0..m tokens: expected tokens with the optimism bonus (what the choice
+        uses) and without (what the stop rule's bar uses), and the drafting time of each."""
         price = self._costs().drafter(self.names[arm])
-        catch_up = price.catch_up_time(lag, t[0])
-        base = t[: m + 1] + np.arange(m + 1) * price.step_time(t[0])
+        catch_up = price.catch_up_time(lag, step)
+        steps = np.arange(m + 1) * price.step_time(step)
         means = self.acceptance.plan_rates(arm, m)
         out = []
         for bonus in (self._bonus(arm), 0.0):
@@ -255,8 +294,9 @@ class AdaptivePolicy:
                 # of the request's remaining tokens, the share its rounds took in earlier requests once started. A
                 # long prompt with a short answer, or a drafter that is started and then rarely drafts, rules it out.
                 charge = catch_up * np.minimum(1.0, gain / (remaining * self._usage(arm)))
-            out.append(gain / (base + charge))
-        return out[0], out[1]
+            out.append((gain, steps + charge))
+        (gain, draft), (honest_gain, honest_draft) = out
+        return Option(arm, gain, draft, honest_gain, honest_draft)
 
     def stop_rule(self, arm: int, k: int) -> StopRule | None:
         """For a model drafter: the rule that ends its draft once more tokens are worth less than their time."""

@@ -60,6 +60,17 @@ class Policy(Protocol):
     def reset(self) -> None: ...
 
 
+def state_delta(a: dict, b: dict | None) -> dict:
+    """a - b, statistic by statistic, of two `ArmStats.state()`s (b None: zero): what a policy learned since b."""
+    if b is None:
+        return {"pulls": list(a["pulls"]), "sums": list(a["sums"]), "rounds": a["rounds"]}
+    return {
+        "pulls": [x - y for x, y in zip(a["pulls"], b["pulls"], strict=True)],
+        "sums": [x - y for x, y in zip(a["sums"], b["sums"], strict=True)],
+        "rounds": a["rounds"] - b["rounds"],
+    }
+
+
 class ArmStats:
     """Per-arm counts and running means shared by the classic bandits; reset() forgets them.
 

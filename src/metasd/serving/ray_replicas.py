@@ -28,6 +28,7 @@ from ray.exceptions import GetTimeoutError
 
 from ..engine import Decoder
 from ..policy import UCB
+from ..policy.base import state_delta
 
 log = logging.getLogger(__name__)
 HUB_NAME = "metasd-policy-hub"
@@ -41,20 +42,9 @@ def _shareable(policy: Any) -> bool:
     return type(policy) is UCB
 
 
-def _diff(a: dict, b: dict | None) -> dict:
-    """a - b, statistic by statistic (b None: zero)."""
-    if b is None:
-        return {"pulls": list(a["pulls"]), "sums": list(a["sums"]), "rounds": a["rounds"]}
-    return {
-        "pulls": [x - y for x, y in zip(a["pulls"], b["pulls"], strict=True)],
-        "sums": [x - y for x, y in zip(a["sums"], b["sums"], strict=True)],
-        "rounds": a["rounds"] - b["rounds"],
-    }
-
-
 def _add(a: dict | None, b: dict) -> dict:
     return (
-        _diff(b, None)  # a copy
+        state_delta(b, None)  # a copy
         if a is None
         else {
             "pulls": [x + y for x, y in zip(a["pulls"], b["pulls"], strict=True)],
@@ -180,7 +170,9 @@ class PolicySync:
         for key, policy in live.items():
             if key not in self.tracked:  # new, or made again after an eviction: a new source, from zero
                 self.tracked[key] = _Tracked(policy, next(self._ids))
-        pushed = {key: {"policy": t.policy_id, **_diff(t.policy.state(), t.adopted)} for key, t in self.tracked.items()}
+        pushed = {
+            key: {"policy": t.policy_id, **state_delta(t.policy.state(), t.adopted)} for key, t in self.tracked.items()
+        }
         reply = self._merge(self.replica, pushed)
         if self.epoch is not None and reply["epoch"] != self.epoch:
             log.warning("the policy hub restarted: its statistics were rebuilt from the replicas' pushes")
@@ -191,7 +183,7 @@ class PolicySync:
                 continue
             # the pool is the reference, also where it holds less than this policy (a restarted hub before every
             # replica pushed again): what this policy learned itself is in it, and `adopted` keeps it apart
-            missing = _diff(total, t.policy.state())
+            missing = state_delta(total, t.policy.state())
             t.policy.merge(missing)
             t.adopted = _add(t.adopted, missing)
         self.syncs += 1

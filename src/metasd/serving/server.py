@@ -1,8 +1,9 @@
 """`metasd serve`: an OpenAI-compatible HTTP API over one Decoder, with SSE streaming and Prometheus metrics.
 
-The Decoder is synchronous and stateful (KV cache, drafters, policies), so one worker thread owns it and serves
-requests one at a time, in arrival order, from a bounded queue. The event loop only validates, queues and relays
-events, so /health and /metrics answer while a request decodes.
+The Decoder is synchronous and stateful (KV cache, drafters, policies), so one worker thread owns it and decodes
+up to --max-batch requests together (continuous batching, `metasd.batching`: one target forward per round for all
+of them; requests join from a bounded FIFO queue and leave between rounds). The event loop only validates, queues
+and relays events, so /health and /metrics answer while requests decode.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 
+from ..batching import DEFAULT_MAX_BATCH
+from ..batching.batch import Batch
 from ..drafters.suffix import SHARED as SHARED_HISTORY
 from ..engine import Decoder, Generation
 from ..stats import GenerationStats
@@ -201,8 +205,26 @@ class _Metrics:
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640),
             registry=r,
         )
-        self.waiting = Gauge("metasd:num_requests_waiting", "Requests queued behind the running one", registry=r)
-        self.running = Gauge("metasd:num_requests_running", "Requests decoding (0 or 1)", registry=r)
+        self.waiting = Gauge("metasd:num_requests_waiting", "Requests queued for a place in the batch", registry=r)
+        self.running = Gauge("metasd:num_requests_running", "Requests decoding (in the batch)", registry=r)
+        self.batch_size = Histogram(
+            "metasd:batch_size",
+            "Requests verified by each round's target forward",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=r,
+        )
+        self.batch_drafted = Counter(
+            "metasd:spec_decode_num_draft_tokens_by_batch_size",
+            "Draft tokens verified, by the size of the batch that verified them",
+            ["batch_size"],
+            registry=r,
+        )
+        self.batch_accepted = Counter(
+            "metasd:spec_decode_num_accepted_tokens_by_batch_size",
+            "Draft tokens accepted, by the size of the batch that verified them",
+            ["batch_size"],
+            registry=r,
+        )
         for name in drafters:  # export zeros from the start, so rate() works from the first scrape
             for counter in (self.drafts, self.draft_tokens, self.accepted):
                 counter.labels(name)
@@ -255,33 +277,84 @@ def _stop_prefix_at_end(text: str, end: int, stop: str) -> int:
     return k
 
 
-class _Engine:
-    """The worker thread that owns the Decoder, and its bounded FIFO of jobs."""
+class _Progress:
+    """One request's text on its way out: detokenized incrementally, cut at a stop string, streamed as far as it
+    is final (no trailing incomplete character, no tail that could still become a stop string)."""
 
-    def __init__(self, decoder: Decoder, max_queue: int, metrics: _Metrics):
+    def __init__(self, job: _Job, gen: Generation, decode):
+        self.job, self.gen = job, gen
+        self.text, self.sent, self.finish = "", 0, None
+        self.detok = IncrementalText(decode)
+        self.longest_stop = max(map(len, job.stops), default=0)
+
+    def update(self) -> bool:
+        """After a round: stream what is final; True when a stop string ended the request."""
+        searched = max(len(self.text) - self.longest_stop + 1, 0)  # a stop string cannot lie wholly before this
+        self.text = self.detok.update(self.gen.token_ids)
+        if (cut := _find_stop(self.text, self.job.stops, searched)) is not None:
+            self.text, self.finish = self.text[:cut], "stop"
+        end = len(self.text) if self.finish else _sendable(self.text, self.job.stops)
+        if self.job.stream and end > self.sent:
+            self.job.emit("delta", self.text[self.sent : end])
+            self.sent = end
+        return self.finish is not None
+
+    def outcome(self, report: dict) -> _Outcome:
+        """The request is over (its generation closed): the whole text, and its last delta when streaming."""
+        if self.finish is None:  # the output ended: whatever was held back as incomplete is final now
+            searched = max(len(self.text) - self.longest_stop + 1, 0)
+            self.text = self.detok.finish(self.gen.token_ids)
+            if (cut := _find_stop(self.text, self.job.stops, searched)) is not None:
+                self.text, self.finish = self.text[:cut], "stop"
+        finish = self.finish or self.gen.finish_reason
+        if self.job.stream and finish != "abort" and len(self.text) > self.sent:
+            self.job.emit("delta", self.text[self.sent :])  # what was held back (a final U+FFFD, say)
+        return _Outcome(self.text, finish, len(self.gen.prompt), len(self.gen.token_ids), report)
+
+
+class _Engine:
+    """The worker thread that owns the Decoder and its batch (`metasd.batching.Batch`), and the bounded FIFO of
+    jobs waiting for a place in the batch. Between rounds it admits waiting jobs while the batch has room and
+    drops requests whose client left; each round decodes every request in the batch."""
+
+    def __init__(self, decoder: Decoder, max_queue: int, metrics: _Metrics, max_batch: int = 1):
         from jinja2 import TemplateError
 
         self._template_error = TemplateError
         self.decoder = decoder
         self.metrics = metrics
-        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
-        self.busy = False
+        self.batch = Batch(decoder, max_batch)
+        self.max_queue = max_queue
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()  # arrived, not checked yet
+        self.ready: deque[tuple[_Job, Generation]] = deque()  # checked, waiting for room in the batch
+        self.active: dict[int, _Progress] = {}  # id(generation) -> its job's progress
         self._stopping = threading.Event()
         self._ended = False  # the worker left its loop (stopped, or died): nothing queued would ever run
         self._lock = threading.Lock()  # orders submit against the worker's last drain of the queue
         self._thread = threading.Thread(target=self._loop, name="metasd-engine", daemon=True)
-        metrics.waiting.set_function(self.jobs.qsize)
-        metrics.running.set_function(lambda: int(self.busy))
+        metrics.waiting.set_function(lambda: self.waiting)
+        metrics.running.set_function(lambda: len(self.batch))
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def running(self) -> int:
+        return len(self.batch)
+
+    @property
+    def waiting(self) -> int:
+        return self.jobs.qsize() + len(self.ready)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()
+        while self.ready:
+            job, _ = self.ready.popleft()
+            job.emit("error", ApiError(503, "the server is shutting down", kind="server_error"))
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -296,15 +369,14 @@ class _Engine:
         with self._lock:
             if self._ended or not self.alive:  # a dead worker: answer now rather than queue a job nobody runs
                 raise self._unavailable()
-            try:
-                self.jobs.put_nowait(job)
-            except queue.Full:
+            if self.waiting >= self.max_queue:
                 raise ApiError(
                     429,
-                    f"the server is busy: {self.jobs.maxsize} requests are already waiting (--max-queue); retry later",
+                    f"the server is busy: {self.max_queue} requests are already waiting (--max-queue); retry later",
                     code="queue_full",
                     kind="rate_limit_error",
-                ) from None
+                )
+            self.jobs.put_nowait(job)
 
     def _unavailable(self) -> ApiError:
         if self._stopping.is_set():
@@ -314,23 +386,17 @@ class _Engine:
         )
 
     def _loop(self) -> None:
-        job = None
         try:
-            while (job := self.jobs.get()) is not None:
-                self.busy = True
-                try:
-                    self._serve(job)
-                except Exception as err:  # a bug fails its request, never the worker
-                    log.exception("request failed")
-                    job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
-                finally:
-                    self.busy = False
-                job = None
+            while self._admit():
+                if self.batch:
+                    self._round()
         finally:  # stopped, or killed by what `except Exception` lets through: fail every job that would wait forever
             with self._lock:
                 self._ended = True
-                if job is not None:  # the request it was serving (a stream gets the error as its last event)
-                    job.emit("error", self._unavailable())
+                for progress in list(self.active.values()):  # a stream gets the error as its last event
+                    progress.job.emit("error", self._unavailable())
+                while self.ready:
+                    self.ready.popleft()[0].emit("error", self._unavailable())
                 while True:
                     try:
                         waiting = self.jobs.get_nowait()
@@ -338,6 +404,93 @@ class _Engine:
                         break
                     if waiting is not None:
                         waiting.emit("error", self._unavailable())
+
+    def _admit(self) -> bool:
+        """Check every queued job now (bad input is answered whatever the batch's load), then move checked jobs
+        into the batch while it has room; wait for a job when nothing decodes. False when the server stops."""
+        while True:
+            try:
+                job = self.jobs.get(block=not self.batch and not self.ready)
+            except queue.Empty:
+                break
+            if job is None or self._stopping.is_set():
+                return False
+            try:
+                self._check(job)
+            except Exception as err:  # a bug fails its request, never the worker
+                log.exception("request failed")
+                job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
+            except BaseException:
+                job.emit("error", self._unavailable())
+                raise
+        while self.ready and not self.batch.full:
+            job, gen = self.ready.popleft()
+            if job.cancel.is_set():  # the client left while queued
+                self.metrics.success.labels("abort").inc()
+                job.emit("done", _Outcome("", "abort"))
+                continue
+            try:
+                self._join(job, gen)
+            except Exception as err:
+                log.exception("request failed")
+                job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
+            except BaseException:  # the worker dies: this job is in no queue the last drain sees
+                job.emit("error", self._unavailable())
+                raise
+        return not self._stopping.is_set()
+
+    def _check(self, job: _Job) -> None:
+        """A queued job becomes a request ready to join (or gets its 4xx, or its abort)."""
+        if job.cancel.is_set():
+            self.metrics.success.labels("abort").inc()
+            job.emit("done", _Outcome("", "abort"))
+            return
+        try:
+            self.ready.append((job, self._start(job)))
+        except ApiError as err:
+            job.emit("error", err)
+
+    def _join(self, job: _Job, gen: Generation) -> None:
+        for drafter in self.decoder.drafters.values():  # the request's own history (--history-scope): its
+            if hasattr(drafter, "use_history"):  # copy in the batch keeps the one chosen now
+                drafter.use_history(job.history)
+        self.batch.join(gen)
+        self.active[id(gen)] = _Progress(job, gen, self.decoder.decode)
+        if job.stream:
+            job.emit("start")
+
+    def _round(self) -> None:
+        try:
+            out = self.batch.step()
+        except Exception as err:  # a bug in a shared round fails the requests in it, never the worker
+            log.exception("a batch round failed")
+            for progress in list(self.active.values()):
+                self._end(progress, error=ApiError(500, f"internal error: {err}", kind="server_error"))
+            return
+        size, drafted, accepted = self.batch.last
+        self.metrics.batch_size.observe(size)
+        self.metrics.batch_drafted.labels(str(size)).inc(drafted)
+        self.metrics.batch_accepted.labels(str(size)).inc(accepted)
+        for gen, _ in out:
+            progress = self.active[id(gen)]
+            if progress.update() or gen.done:
+                self._end(progress)
+        for progress in list(self.active.values()):
+            if progress.job.cancel.is_set() or self._stopping.is_set():
+                progress.finish = "abort"
+                self._end(progress)
+
+    def _end(self, progress: _Progress, error: ApiError | None = None) -> None:
+        """The request leaves the batch (if it has not already) and its client gets the outcome or the error."""
+        gen = progress.gen
+        del self.active[id(gen)]
+        self.batch.leave(gen)  # the drafters see the request's end before its row is reused
+        if error is not None:
+            progress.job.emit("error", error)
+            return
+        outcome = progress.outcome(self._report(gen))
+        self.metrics.record(gen.stats, outcome.finish_reason, time.perf_counter() - progress.job.arrived)
+        progress.job.emit("done", outcome)
 
     def _start(self, job: _Job) -> Generation:
         """Everything that can reject a request, before any decoding: raises ApiError."""
@@ -360,54 +513,10 @@ class _Engine:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        for drafter in dec.drafters.values():  # the request's own history (--history-scope), before it begins
-            if hasattr(drafter, "use_history"):
-                drafter.use_history(job.history)
         try:
             return dec.stream(ids, max_new_tokens=max_new, **job.options)
         except ValueError as err:
             raise ApiError(400, str(err)) from None
-
-    def _serve(self, job: _Job) -> None:
-        if job.cancel.is_set():  # the client left while queued
-            self.metrics.success.labels("abort").inc()
-            job.emit("done", _Outcome("", "abort"))
-            return
-        try:
-            gen = self._start(job)
-        except ApiError as err:
-            job.emit("error", err)
-            return
-        if job.stream:
-            job.emit("start")
-        text, sent, finish = "", 0, None
-        detok = IncrementalText(self.decoder.decode)
-        longest_stop = max(map(len, job.stops), default=0)
-        for _ in gen:
-            if job.cancel.is_set() or self._stopping.is_set():
-                finish = "abort"
-                break
-            searched = max(len(text) - longest_stop + 1, 0)  # a stop string cannot lie wholly before this
-            text = detok.update(gen.token_ids)
-            if (cut := _find_stop(text, job.stops, searched)) is not None:
-                text, finish = text[:cut], "stop"
-            end = len(text) if finish else _sendable(text, job.stops)
-            if job.stream and end > sent:
-                job.emit("delta", text[sent:end])
-                sent = end
-            if finish:
-                break
-        gen.close()  # the drafters see the request's end before the next request begins
-        if finish is None:  # the output ended: whatever was held back as incomplete is final now
-            searched = max(len(text) - longest_stop + 1, 0)
-            text = detok.finish(gen.token_ids)
-            if (cut := _find_stop(text, job.stops, searched)) is not None:
-                text, finish = text[:cut], "stop"
-        finish = finish or gen.finish_reason
-        if job.stream and finish != "abort" and len(text) > sent:
-            job.emit("delta", text[sent:])  # what was held back (a final U+FFFD, say)
-        self.metrics.record(gen.stats, finish, time.perf_counter() - job.arrived)
-        job.emit("done", _Outcome(text, finish, len(gen.prompt), len(gen.token_ids), self._report(gen)))
 
     def _report(self, gen: Generation) -> dict:
         """The request's statistics, plus the policy's state after it (cumulative under --policy-scope server)."""
@@ -478,6 +587,7 @@ def create_app(
     max_queue: int = 64,
     max_body_bytes: int = MAX_BODY_BYTES,
     history_scope: str = "shared",
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> FastAPI:
     """An app serving `decoder`; the worker thread runs between the app's startup and shutdown.
 
@@ -489,6 +599,8 @@ def create_app(
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     keys = api_key.split(",") if isinstance(api_key, str) else list(api_key) if api_key is not None else None
     if keys is not None and (not keys or not all(keys)):
         raise ValueError("the API key is empty; give a real key or none")
@@ -505,7 +617,7 @@ def create_app(
     model_name = decoder.target.spec
     max_chars = _max_prompt_chars(decoder.tokenizer, decoder.target.max_length)
     metrics = _Metrics(decoder.drafter_names)
-    engine = _Engine(decoder, max_queue, metrics)
+    engine = _Engine(decoder, max_queue, metrics, max_batch)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -555,8 +667,8 @@ def create_app(
         body = {
             "status": "ok" if engine.alive else "engine stopped",
             "model": model_name,
-            "waiting": engine.jobs.qsize(),
-            "running": int(engine.busy),
+            "waiting": engine.waiting,
+            "running": engine.running,
         }
         return JSONResponse(body, status_code=200 if engine.alive else 503)
 
@@ -764,6 +876,7 @@ def serve(
     max_queue: int = 64,
     max_body_bytes: int = MAX_BODY_BYTES,
     history_scope: str = "shared",
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> None:
     """Run the server until interrupted (the `metasd serve` command)."""
     import uvicorn
@@ -771,6 +884,11 @@ def serve(
     # On shutdown, give in-flight requests 10 s, then cancel them (which stops their jobs) rather than wait for
     # every queued generation to finish.
     app = create_app(
-        decoder, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes, history_scope=history_scope
+        decoder,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        history_scope=history_scope,
+        max_batch=max_batch,
     )
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)

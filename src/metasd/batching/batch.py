@@ -1,0 +1,170 @@
+"""Continuous batching: requests join and leave between rounds; every round verifies all of them in one forward.
+
+Each request keeps what it has alone (`Generation`: its drafters' state, its policy's state, its sampling generator,
+its statistics); the batch gives it a row of the target's KV slots (`slots.BatchedTarget`), and its own copies of
+the drafters (weights and cross-request history shared) and of the policy (what it learns is written back to the
+decoder's policy when it leaves, for the requests after it). A round runs each request's phases in turn, one target
+forward for all, then each request's acceptance rule: `Batch.step`. Which drafter and how many tokens each request
+drafts is chosen for the whole batch (`decision.decide`) from the measured cost of batch forwards (`costs`).
+
+A request alone in the batch decodes as `Generation.step` does (its own choice, stop rules and T(M)), so a batch of
+one is the single-request engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..drafters.base import for_request
+from ..engine import Decoder, Generation
+from ..policy import Policy
+from ..policy.adaptive import AdaptivePolicy
+from ..policy.base import ArmStats, state_delta
+from .costs import BatchCost, load_or_calibrate_batch
+from .decision import Plan, decide
+from .slots import BatchedTarget
+
+
+@dataclass
+class BatchStats:
+    """Rounds by batch size, and per batch size the tokens drafted and accepted: how speculation follows load."""
+
+    rounds: Counter = field(default_factory=Counter)
+    drafted: Counter = field(default_factory=Counter)
+    accepted: Counter = field(default_factory=Counter)
+
+
+class Batch:
+    """Up to `max_batch` requests of one decoder in flight. `join` a request from `Decoder.stream`, call `step`
+    while the batch is not empty; a request that ends leaves by itself, `leave` takes one out early (cancelled,
+    stopped by a stop string). The decoder's `generate` and `stream` must not run while a batch holds requests."""
+
+    def __init__(self, decoder: Decoder, max_batch: int = 8):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.decoder = decoder
+        self.max_batch = max_batch
+        readers = any(getattr(d, "reads_target_features", False) for d in decoder.drafters.values())
+        self.target = BatchedTarget(decoder.target.model, rows=max_batch, keep_features=readers)
+        single = decoder.cost_model().target
+        tables = {}
+        if max_batch > 1:
+            tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, single.max_tokens)
+        self.costs = BatchCost(single, tables, max_batch)
+        self.requests: list[Generation] = []
+        self.stats = BatchStats()
+        self.last = (0, 0, 0)  # the last round's batch size, tokens drafted, tokens accepted
+        # id(request) -> the decoder's policy its copy came from, and a bandit's statistics when it was copied
+        self._policies: dict[int, tuple[Policy, dict | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def full(self) -> bool:
+        return len(self.requests) >= self.max_batch
+
+    def join(self, request: Generation) -> None:
+        """Start a request from `Decoder.stream` (not iterated yet) in this batch; its prompt is prefilled now."""
+        if self.full:
+            raise RuntimeError(f"the batch is full ({self.max_batch} requests)")
+        if request.decoder is not self.decoder or request._started is not None:
+            raise ValueError("a batch takes requests of its own decoder that have not started")
+        row = self.target.add_row()
+        try:
+            request.target = row
+            request.pool = [for_request(d) for d in request.pool]
+            for drafter in request.pool:
+                if getattr(drafter, "reads_target_features", False):
+                    drafter.read_features_from(row)
+            shared = request.policy
+            if shared is not None:
+                request.policy = _copy_policy(shared)
+            request.begin()
+            self.target.prefill(row, request.context)
+        except BaseException:
+            self.target.remove_row(row)
+            raise
+        if shared is not None:
+            self._policies[id(request)] = (shared, shared.state() if isinstance(shared, ArmStats) else None)
+        self.requests.append(request)
+
+    def leave(self, request: Generation) -> None:
+        """The request ends now (finished, or abandoned): drafters and policy see its end, its row is freed."""
+        if request not in self.requests:
+            return
+        request.finish()
+        shared, start = self._policies.pop(id(request), (None, None))
+        if start is not None:  # a bandit's statistics: add what this request learned to what the others added
+            shared.merge(state_delta(request.policy.state(), start))
+        elif shared is not None:  # what the request learned, for the requests after it
+            vars(shared).update({k: v for k, v in vars(request.policy).items() if k != "costs"})
+        self.target.remove_row(request.target)
+        self.requests.remove(request)
+
+    def step(self) -> list[tuple[Generation, list[int]]]:
+        """One round for every request in flight: the tokens each one added. Requests that ended have left."""
+        if not self.requests:
+            return []
+        if len(self.requests) == 1:
+            request = self.requests[0]
+            out = [(request, request.step())]
+            self._count(1, [request])
+        else:
+            out = self._round()
+        for request, _ in out:
+            if request.done:
+                self.leave(request)
+        return out
+
+    def _round(self) -> list[tuple[Generation, list[int]]]:
+        requests, size = self.requests, len(self.requests)
+        turns = [request.outlook() for request in requests]
+        widest = max(turn.limit for turn in turns) + 1
+        times = self.costs.widths(size, max(widest, 1))
+        plans = [_plan(request, turn) for request, turn in zip(requests, turns, strict=True)]
+        decision = decide(plans, times)
+        for request, turn, (arm, k) in zip(requests, turns, decision.choices, strict=True):
+            turn.arm, turn.k = arm, min(k, turn.limit)
+            if isinstance(request.policy, AdaptivePolicy):
+                request.policy.use_bar(decision.rate)
+            request.draft(turn, stop_rules=False)  # the batch chose k; a stop rule prices rounds of one
+        started = time.perf_counter()
+        logits = self.target.forward([(r.target, r.context, t.tree) for r, t in zip(requests, turns, strict=True)])
+        ended = time.perf_counter()
+        self.costs.observe(size, max(t.tree.size for t in turns) + 1, ended - started)
+        out = []
+        for request, turn, rows in zip(requests, turns, logits, strict=True):
+            turn.clock.verifying, turn.clock.forwarded = started, ended
+            out.append((request, request.conclude(turn, rows, prefilled=False, alone=False)))
+        self._count(size, requests)
+        return out
+
+    def _count(self, size: int, requests: list[Generation]) -> None:
+        rounds = [request.stats.rounds[-1] for request in requests]
+        drafted = sum(r.drafted + r.branch_nodes for r in rounds)
+        accepted = sum(r.accepted + r.branch_accepted for r in rounds)
+        self.stats.rounds[size] += 1
+        self.stats.drafted[size] += drafted
+        self.stats.accepted[size] += accepted
+        self.last = (size, drafted, accepted)
+
+
+def _plan(request: Generation, turn) -> Plan:
+    policy = request.policy
+    if policy is None or turn.limit <= 0:
+        return Plan(fixed=(None, 0))
+    if isinstance(policy, AdaptivePolicy):
+        return Plan(policy.options(turn.limit, turn.proposals, turn.lags, remaining=turn.remaining, fresh=turn.fresh))
+    return Plan(fixed=policy.choose(turn.limit, turn.proposals, turn.lags, remaining=turn.remaining, fresh=turn.fresh))
+
+
+def _copy_policy(policy):
+    """A policy of its own for one request, starting from what the decoder's has learned; the machine's cost model
+    stays shared."""
+    twin = copy.copy(policy)
+    vars(twin).update(copy.deepcopy({k: v for k, v in vars(policy).items() if k != "costs"}))
+    return twin

@@ -1,0 +1,89 @@
+"""The batch decision: every request's (drafter, k) for one round, chosen to maximise the batch's tokens per second.
+
+A batch round yields sum_i E_i tokens (E_i = 1 + the expected accepted tokens of request i's draft) in
+T(B, W) + sum_i D_i seconds: one target forward over B rows padded to the widest row W = 1 + max_i k_i
+(`costs.BatchCost`, measured), plus every request's drafting, which runs one request after another. Each request's
+policy offers its options (`AdaptivePolicy.options`: expected tokens and drafting time per drafter and length);
+coordinate ascent then gives each request in turn its best option given the others' (k = 0 always among them) until
+no request changes, which maximises the batch's rate locally and ends because the rate only grows. With a flat T
+every request drafts as it would alone; with T growing in B x W, one request's longer draft widens every row, and
+drafting fades as the batch fills, then returns as it empties, without thresholds. A request changes its choice
+only for a strictly better batch rate, so the decision does not flip between equal options round after round.
+Policies without options (the paper's bandits) keep their own (drafter, k), which only sets the width they need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..policy.adaptive import Option
+
+_SWEEPS = 8  # coordinate-ascent passes at most; two or three settle it in practice
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request's choices this round: a policy's options, or a choice it fixed itself (`fixed`)."""
+
+    options: Sequence[Option] = ()
+    fixed: tuple[int | None, int] | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    choices: list[tuple[int | None, int]]  # per request (drafter, k)
+    width: int  # tokens per row of the round's forward: 1 + the longest draft
+    rate: float  # the batch's expected tokens per second, optimism left out (the bar later choices must beat)
+
+
+def decide(plans: Sequence[Plan], round_seconds: Sequence[float]) -> Decision:
+    """round_seconds[w - 1]: T(B, w) for this batch's size B, w = 1 .. the widest row allowed."""
+    times = np.asarray(round_seconds, dtype=float)
+    n = len(plans)
+    arm: list[int | None] = [None] * n
+    k = [0] * n
+    gain, draft = np.ones(n), np.zeros(n)
+    honest_gain, honest_draft = np.ones(n), np.zeros(n)
+    for i, plan in enumerate(plans):
+        if plan.fixed is not None:
+            arm[i], k[i] = plan.fixed
+    for _ in range(_SWEEPS):
+        changed = False
+        for i, plan in enumerate(plans):
+            if plan.fixed is not None:
+                continue
+            width = max((k[j] + 1 for j in range(n) if j != i), default=1)
+            others_gain, others_draft = gain.sum() - gain[i], draft.sum() - draft[i]
+            current = (others_gain + gain[i]) / (times[max(width, k[i] + 1) - 1] + others_draft + draft[i])
+            best = (current, arm[i], k[i], None)
+            plain = (others_gain + 1.0) / (times[width - 1] + others_draft)
+            if plain > best[0] * (1 + 1e-9):
+                best = (plain, None, 0, None)
+            for option in plan.options:
+                m = min(len(option.gain) - 1, len(times) - 1)
+                if m < 1:
+                    continue
+                ks = np.arange(1, m + 1)
+                rates = (others_gain + option.gain[1 : m + 1]) / (
+                    times[np.maximum(width, ks + 1) - 1] + others_draft + option.draft[1 : m + 1]
+                )
+                j = int(np.argmax(rates))
+                if rates[j] > best[0] * (1 + 1e-9):
+                    best = (float(rates[j]), option.arm, j + 1, option)
+            if (best[1], best[2]) != (arm[i], k[i]):
+                changed = True
+                arm[i], k[i] = best[1], best[2]
+                option = best[3]
+                if option is None:
+                    gain[i], draft[i], honest_gain[i], honest_draft[i] = 1.0, 0.0, 1.0, 0.0
+                else:
+                    gain[i], draft[i] = option.gain[k[i]], option.draft[k[i]]
+                    honest_gain[i], honest_draft[i] = option.honest_gain[k[i]], option.honest_draft[k[i]]
+        if not changed:
+            break
+    width = min(max(k, default=0) + 1, len(times))
+    rate = float(honest_gain.sum() / (times[width - 1] + honest_draft.sum()))
+    return Decision(list(zip(arm, k, strict=True)), width, rate)

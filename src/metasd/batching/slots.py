@@ -1,0 +1,269 @@
+"""The target's KV cache for a batch of requests: one row of preallocated slots per request, one forward for all.
+
+Continuous batching (Orca, Yu et al., OSDI 2022) runs every request in flight through one target forward per round
+while requests join and leave between rounds. Each request here owns a row of a preallocated key/value buffer
+[rows, heads, capacity, head_dim] per layer: a round writes each row's new tokens at that row's own positions
+(a scatter, nothing of the cached context is copied) and attends through a 4D additive mask, so rows of different
+lengths, each with its own draft (a chain or a draft tree, `metasd.tree`), share one forward padded to the widest.
+
+A row mirrors a token list exactly as `CachedModel` does: before a forward it keeps the cached prefix the new
+context shares (a tree's entries settled on the path the context follows) and feeds the rest, so no caller crops.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..cached_model import common_prefix
+from ..tree import DraftTree
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's key/value slots; `update` writes where its owner says and returns the rows' used span."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, owner: _Slots):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, heads, _, dim = key_states.shape
+        shape = (self.owner.rows, heads, self.owner.capacity, dim)
+        self.keys = key_states.new_zeros(shape)
+        self.values = value_states.new_zeros(shape)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def grow(self, capacity: int) -> None:
+        if self.is_initialized and self.keys.shape[2] < capacity:
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+                new[:, :, : old.shape[2]] = old
+                setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        first, span, index = self.owner.first, self.owner.span, self.owner.write_index
+        rows = slice(first, first + key_states.shape[0])
+        index = index[:, None, :, None].expand_as(key_states)
+        self.keys[rows].scatter_(2, index, key_states)
+        self.values[rows].scatter_(2, index, value_states)
+        return self.keys[rows, :, :span], self.values[rows, :, :span]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.span, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.span
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def move(self, source, target) -> None:
+        """Entries `source` of a row to `target` (a tree path settling; a row moving when another leaves)."""
+        if self.is_initialized:
+            self.keys[target] = self.keys[source]
+            self.values[target] = self.values[source]
+
+
+class _Slots(Cache):
+    """The model-facing cache: the layers, and what the next forward writes where (set by `BatchedTarget`)."""
+
+    def __init__(self, num_layers: int, rows: int, capacity: int):
+        self.rows, self.capacity = rows, capacity
+        self.first, self.span = 0, 0
+        self.write_index = torch.zeros(0, 0, dtype=torch.long)
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+
+    def grow(self, capacity: int) -> None:
+        if capacity > self.capacity:
+            self.capacity = max(capacity, 2 * self.capacity)
+            for layer in self.layers:
+                layer.grow(self.capacity)
+
+
+class Row:
+    """One request's row: the tokens its slots hold (`tokens`, plus a verified tree's nodes until settled).
+
+    It offers what `Generation` and EAGLE drafters use of a `CachedModel`: `logits_for_tree` (a forward of this row
+    alone), `features_for`, `fed_tokens`, `keep_features`, `reset`."""
+
+    def __init__(self, owner: BatchedTarget, index: int):
+        self.owner, self.index = owner, index
+        self.tokens: list[int] = []
+        self.tree: DraftTree | None = None
+        self.fed_tokens = 0
+
+    @property
+    def keep_features(self) -> bool:
+        return self.owner.keep_features
+
+    def reset(self) -> None:
+        self.tokens, self.tree, self.fed_tokens = [], None, 0
+
+    def logits_for_tree(self, context: list[int], tree: DraftTree) -> torch.Tensor:
+        return self.owner.forward([(self, context, tree)])[0]
+
+    def features_for(self, tokens: list[int]) -> torch.Tensor:
+        """The target's final-norm output [n, d] for the longest prefix of `tokens` this row has computed."""
+        if self.owner.features is None:
+            return torch.empty(0, 0)
+        self.owner.settle(self, tokens)
+        return self.owner.features[self.index, : common_prefix(self.tokens, tokens)]
+
+
+class BatchedTarget:
+    """The target model over rows of slots: `forward` verifies each row's draft tree after its context, all rows in
+    one model call. Rows in one call must be consecutive (the whole batch, or one row for a prefill)."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, keep_features: bool = False, capacity: int = 256):
+        if rows < 1:
+            raise ValueError(f"a batch needs at least one row, got {rows}")
+        config = model.config
+        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+            raise ValueError("batched decoding reads logits from the model's head directly; this model transforms them")
+        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+            raise ValueError("batched decoding needs a model whose layers all use full attention (no sliding window)")
+        self.model, self.body, self.head = model, model.get_decoder(), model.get_output_embeddings()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.slots = _Slots(config.num_hidden_layers, rows, capacity)
+        self.keep_features = keep_features
+        self.features: torch.Tensor | None = None  # [rows, capacity, d]
+        self.rows: list[Row | None] = [None] * rows
+
+    # --- rows ------------------------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def add_row(self) -> Row:
+        """A free row (the first: rows in use stay consecutive from 0)."""
+        index = self.active
+        if index == len(self.rows):
+            raise RuntimeError(f"all {len(self.rows)} rows are in use")
+        row = self.rows[index] = Row(self, index)
+        return row
+
+    @torch.inference_mode()
+    def remove_row(self, row: Row) -> None:
+        """Free a row; the last row in use moves into its place (its slots copied once), keeping rows consecutive."""
+        last = self.active - 1
+        if self.rows[row.index] is not row:
+            raise ValueError("this row is not in use")
+        if row.index != last:
+            moved = self.rows[last]
+            for layer in self.slots.layers:
+                layer.move(last, row.index)
+            if self.features is not None:
+                self.features[row.index] = self.features[last]
+            moved.index = row.index
+            self.rows[row.index] = moved
+        self.rows[last] = None
+        row.index = -1
+
+    # --- the forward -----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def settle(self, row: Row, tokens: list[int]) -> None:
+        """After a tree forward: the entries of the path `tokens` follows move behind the context in place."""
+        tree, row.tree = row.tree, None
+        if tree is None:
+            return
+        base = len(row.tokens)
+        path = tree.follow(tokens[base:]) if tokens[:base] == row.tokens else []
+        if path != list(range(len(path))):  # a chain's accepted prefix is in place already
+            source = torch.tensor([base + n for n in path], dtype=torch.long, device=self.device)
+            target = slice(base, base + len(path))
+            for layer in self.slots.layers:
+                layer.move((row.index, slice(None), source), (row.index, slice(None), target))
+            if self.features is not None:
+                self.features[row.index, target] = self.features[row.index, source]
+        row.tokens = row.tokens + tree.path_tokens(path)
+
+    @torch.inference_mode()
+    def prefill(self, row: Row, context: list[int]) -> None:
+        """Cache all of `context` but its last token in this row alone, so that a round that follows feeds this
+        request one token plus its draft, like every other row (a long prompt is one forward, not a wide batch)."""
+        self._run([(row, context[:-1], DraftTree())], logits=False)
+
+    @torch.inference_mode()
+    def forward(self, items: list[tuple[Row, list[int], DraftTree]]) -> list[torch.Tensor]:
+        """Per (row, context, tree): logits [1 + tree.size, V] on the CPU, row 0 after the context and 1 + i after
+        node i, as `CachedModel.logits_for_tree` gives them; the row then holds the context (the tree settles at
+        its next use)."""
+        return self._run(items, logits=True)
+
+    def _run(self, items: list[tuple[Row, list[int], DraftTree]], logits: bool) -> list[torch.Tensor]:
+        order = sorted(range(len(items)), key=lambda i: items[i][0].index)  # the model call takes rows in order
+        items = [items[i] for i in order]
+        first = items[0][0].index
+        if [row.index for row, _, _ in items] != list(range(first, first + len(items))):
+            raise ValueError("rows verified in one forward must be consecutive")
+        feeds, keeps = [], []
+        for row, context, _ in items:
+            self.settle(row, context)
+            keep = min(common_prefix(row.tokens, context), len(context) - 1 if logits else len(context))
+            feeds.append(context[keep:])
+            keeps.append(keep)
+        width = max(len(feed) + tree.size for feed, (_, _, tree) in zip(feeds, items, strict=True))
+        hidden = self._body(items, feeds, keeps, width) if width else None
+        out = []
+        for b, ((row, context, tree), feed) in enumerate(zip(items, feeds, strict=True)):
+            row.fed_tokens += len(feed) + tree.size
+            row.tokens, row.tree = list(context), tree if tree.size else None
+            if logits:
+                out.append(hidden[b, len(feed) - 1 : len(feed) + tree.size])
+        if not out:
+            return []
+        chunks = self.head(torch.cat(out)).float().cpu()  # the head only on the rows verification reads
+        chunks = chunks.split([tree.size + 1 for _, _, tree in items])
+        result: list[torch.Tensor] = [None] * len(items)
+        for position, i in enumerate(order):  # back in the caller's order
+            result[i] = chunks[position]
+        return result
+
+    def _body(self, items, feeds: list[list[int]], keeps: list[int], width: int) -> torch.Tensor:
+        """The decoder's final hidden states [rows, width, d] for every row's feed and tree, padded to `width`."""
+        n, span = len(items), max(keeps) + width
+        self.slots.grow(span)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        positions = torch.zeros(n, width, dtype=torch.long)
+        mask = torch.full((n, 1, width, span), torch.finfo(self.dtype).min, dtype=self.dtype)
+        mask[:, :, :, 0] = 0  # padding queries see one slot: no row of the softmax is empty
+        for b, ((_, _, tree), feed, keep) in enumerate(zip(items, feeds, keeps, strict=True)):
+            fed = len(feed) + tree.size
+            ids[b, :fed] = torch.tensor(feed + tree.tokens, dtype=torch.long)
+            row_mask, row_positions = tree.attention(keep, len(feed), self.dtype)
+            mask[b, 0, :fed, : keep + fed] = row_mask[0, 0]
+            positions[b] = keep + torch.arange(width)
+            positions[b, :fed] = row_positions[0]
+        first = items[0][0].index
+        self.slots.first, self.slots.span = first, span
+        self.slots.write_index = (torch.tensor(keeps)[:, None] + torch.arange(width)).to(self.device)
+        hidden = self.body(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            cache=self.slots,
+            use_cache=True,
+        ).last_hidden_state
+        if self.keep_features:
+            self._keep_features(hidden, first)
+        return hidden
+
+    def _keep_features(self, hidden: torch.Tensor, first: int) -> None:
+        rows, width, dim = hidden.shape
+        if self.features is None or self.features.shape[1] < self.slots.capacity:
+            grown = hidden.new_zeros(len(self.rows), self.slots.capacity, dim)
+            if self.features is not None:
+                grown[:, : self.features.shape[1]] = self.features
+            self.features = grown
+        index = self.slots.write_index[:, :, None].expand(rows, width, dim)
+        self.features[first : first + rows].scatter_(1, index, hidden)

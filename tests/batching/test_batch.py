@@ -1,0 +1,126 @@
+"""Continuous batching end to end: requests that join and leave mid-batch (one ends at its first token, one is
+cancelled, one is cut by its caller as a stop string would cut it) leave every other request's greedy output
+exactly what it is decoding alone, with drafting forced on for every row and off; sampled output in a batch keeps
+the target's distribution; and the batch decision drafts for everyone on a flat T and stops as T(B, W) grows."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from helpers import chi2, chi2_bound
+from test_sampling_distribution import DRAWS, PARAMS, PROMPT, _decoder, exact_pairs
+
+from metasd import Decoder
+from metasd.batching.batch import Batch
+from metasd.batching.decision import Plan, decide
+from metasd.policy.adaptive import Option
+
+PROMPTS = [
+    "Write a python function that reverses a list.",
+    "What is the capital of France? Explain briefly.",
+    "Translate to German: The weather is nice today.",
+    "List three prime numbers and say why they are prime.",
+    "Summarize: The quick brown fox jumps over the lazy dog. The dog was not amused.",
+]
+
+
+@pytest.fixture(scope="module")
+def decoder(embedded):
+    return Decoder()  # the default pool: the shipped EAGLE head reads each row's features
+
+
+@pytest.fixture(scope="module")
+def alone(decoder):
+    return {p: decoder.generate(p, max_new_tokens=40).token_ids for p in PROMPTS}
+
+
+def _flat(batch: Batch) -> None:
+    """Every batch shape priced alike: drafting is free, so the decision drafts for every request."""
+    batch.costs.widths = lambda size, max_width: [0.03] * max_width
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_joining_and_leaving_leaves_every_other_output_as_it_is_alone(decoder, alone, flat):
+    batch = Batch(decoder, max_batch=3)
+    if flat:
+        _flat(batch)
+    one = decoder.stream(PROMPTS[0], max_new_tokens=1)  # ends at its first token
+    cancelled = decoder.stream(PROMPTS[1], max_new_tokens=40)
+    cut = decoder.stream(PROMPTS[2], max_new_tokens=40)  # its caller stops it at 6 tokens, as a stop string would
+    joiners = [decoder.stream(p, max_new_tokens=40) for p in PROMPTS[3:]]
+    later = list(joiners)
+    for request in (one, cancelled, cut):
+        batch.join(request)
+    rounds, sizes = 0, Counter()
+    while len(batch) or later:
+        if rounds == 2:
+            batch.leave(cancelled)
+        while later and not batch.full and rounds >= 1:  # joins while others are mid-way
+            batch.join(later.pop(0))
+        sizes[len(batch)] += 1
+        for request, _ in batch.step():
+            if request is cut and len(cut.token_ids) >= 6:
+                batch.leave(cut)
+        rounds += 1
+    assert one.token_ids == alone[PROMPTS[0]][:1]
+    assert cancelled.token_ids == alone[PROMPTS[1]][: len(cancelled.token_ids)] and len(cancelled.token_ids) < 40
+    assert cut.token_ids == alone[PROMPTS[2]][: len(cut.token_ids)] and len(cut.token_ids) < 40
+    for request, prompt in zip(joiners, PROMPTS[3:], strict=True):
+        assert request.token_ids == alone[prompt]
+    assert sizes[3] >= 2  # three decoded together for a while
+    drafted = sum(n for size, n in batch.stats.drafted.items() if size > 1)
+    if flat:
+        assert drafted > 0  # rows drafted (the EAGLE head among them) and were verified together
+    assert batch.target.active == 0 and not batch.requests
+
+
+def test_sampled_output_in_a_batch_follows_the_targets_distribution(pair):
+    """The request of interest decodes beside two others (different prompts and lengths, each drafting with its
+    own q), joining at a rotating place: its first two tokens must follow the target's exact distribution."""
+    target, target_dir, draft_dir = pair
+    decoder = _decoder(target_dir, draft_dir)
+    batch = Batch(decoder, max_batch=3)
+    options = {"temperature": PARAMS.temperature, "top_k": PARAMS.top_k, "top_p": PARAMS.top_p}
+    counts, batched_rounds = Counter(), 0
+    for seed in range(DRAWS):
+        mine = decoder.stream(PROMPT, max_new_tokens=3, seed=seed, **options)
+        others = [
+            decoder.stream([7, 8, 9, 10, 11], max_new_tokens=4, seed=DRAWS + seed, **options),
+            decoder.stream([12, 13], max_new_tokens=5, seed=2 * DRAWS + seed, **options),
+        ]
+        order = others[: seed % 3] + [mine] + others[seed % 3 :]
+        for request in order:
+            batch.join(request)
+        while len(batch):
+            batched_rounds += len(batch) > 1 and mine in batch.requests
+            batch.step()
+        counts[tuple(mine.token_ids[:2])] += 1
+    assert batched_rounds >= DRAWS
+    stat, df = chi2(counts, exact_pairs(target), DRAWS)
+    assert stat < chi2_bound(df), (stat, df)
+
+
+def _option(arm: int, accept: float, m: int = 6, step: float = 0.0) -> Option:
+    gain = np.cumsum([1.0] + [accept**j for j in range(1, m + 1)])
+    draft = step * np.arange(m + 1)
+    return Option(arm, gain, draft, gain, draft)
+
+
+def test_the_decision_drafts_for_everyone_on_a_flat_t_and_stops_as_t_grows():
+    plans = [Plan([_option(0, 0.7)]) for _ in range(8)]
+    flat = decide(plans, [0.03] * 7)
+    assert all(arm == 0 and k == 6 for arm, k in flat.choices) and flat.width == 7
+
+    def growing(size: int) -> list[float]:  # each token in the forward costs the same: T ~ B x W
+        return [0.01 + 0.004 * size * w for w in range(1, 8)]
+
+    drafted = {size: sum(k for _, k in decide(plans[:size], growing(size)).choices) for size in (1, 2, 4, 8)}
+    assert drafted[1] > 0 and drafted[8] == 0  # alone it drafts; a full batch takes plain steps
+    assert drafted[1] >= drafted[2] >= drafted[4] >= drafted[8]
+
+
+def test_the_decision_keeps_fixed_choices_and_prices_drafting_time():
+    plans = [Plan(fixed=(1, 3)), Plan([_option(0, 0.9, step=1.0)])]  # drafting costs a second a token
+    decision = decide(plans, [0.03] * 7)
+    assert decision.choices == [(1, 3), (None, 0)] and decision.width == 4
+    assert decision.rate == pytest.approx(2 / 0.03)
