@@ -2,20 +2,18 @@
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from metasd import Decoder
+from metasd.serving.background import running
 from metasd.serving.server import _sendable, create_app
 
 POOL = "ngram,suffix"
@@ -33,26 +31,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@contextmanager
-def running(app):
-    """Serve `app` on a free loopback port from a background thread; yields the base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

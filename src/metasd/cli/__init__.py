@@ -1,17 +1,18 @@
-"""The `metasd` command: generate, serve, calibrate, bench, index, distill and train-eagle, one module each."""
+"""The `metasd` command: generate, serve, calibrate, bench, serve-bench, index, distill and train-eagle, one module
+each."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import bench, calibrate, distill, generate, index, serve, train_eagle
+from . import bench, calibrate, distill, generate, index, serve, serve_bench, train_eagle
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="metasd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, serve, calibrate, bench, index, distill, train_eagle):
+    for command in (generate, serve, calibrate, bench, serve_bench, index, distill, train_eagle):
         command.add_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,176 @@
+"""Serving under load: throughput and latency of `metasd serve` at several numbers of concurrent clients.
+
+Each setting (a `--max-batch` and a policy) runs a fresh server per load in this process (a fresh decoder, so no
+load meets outputs an earlier one taught the suffix drafter); C clients send Spec-Bench first turns as chat
+requests, greedy, one after another each, until every request of the load is answered. Throughput is generated
+tokens per second of all clients together, from the first request sent to the last answer; latency is per request,
+arrival to answer. Greedy outputs of every batched setting are compared with those of `--max-batch 1`, which
+decodes each request alone (the single-request engine): a difference is reported with the reference's margin
+between its two likeliest tokens where the outputs part, so a near-tie (summation order differs with the batch's
+shape) is told apart from a defect.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+
+from ..engine import Decoder
+from ..serving.background import running
+from ..serving.server import create_app
+
+
+@dataclass(frozen=True)
+class Setting:
+    label: str
+    max_batch: int
+    policy: str
+
+
+@dataclass
+class LoadResult:
+    setting: str
+    clients: int
+    requests: int
+    tokens: int
+    wall_s: float
+    latencies: list[float]
+    texts: dict[int, str] = field(repr=False)  # prompt index -> completion
+    batch_rounds: dict[str, float] = field(default_factory=dict)  # batch size -> rounds (from /metrics)
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.wall_s
+
+    def latency(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients: int, max_tokens: int) -> LoadResult:
+    """One load: `clients` threads share the prompts (each prompt once) against a server over `decoder`."""
+    app = create_app(decoder, max_queue=max(64, len(prompts)), max_batch=setting.max_batch)
+    latencies: list[float] = [0.0] * len(prompts)
+    tokens: list[int] = [0] * len(prompts)
+    texts: dict[int, str] = {}
+    errors: list[str] = []
+    next_prompt = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=3600) as http:
+            while True:
+                with lock:
+                    i = next(next_prompt, None)
+                if i is None:
+                    return
+                start = time.perf_counter()
+                body = {
+                    "messages": [{"role": "user", "content": prompts[i]}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                }
+                r = http.post("/v1/chat/completions", json=body)
+                latencies[i] = time.perf_counter() - start
+                if r.status_code != 200:
+                    errors.append(f"{r.status_code}: {r.text[:200]}")
+                    continue
+                data = r.json()
+                tokens[i] = data["usage"]["completion_tokens"]
+                texts[i] = data["choices"][0]["message"]["content"]
+
+    with running(app) as url:
+        threads = [threading.Thread(target=client, args=(url,)) for _ in range(clients)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed under load, e.g. {errors[0]}")
+    rounds = {}
+    for line in metrics.splitlines():
+        if line.startswith("metasd:batch_size_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            rounds[le] = float(line.rsplit(" ", 1)[1])
+    return LoadResult(setting.label, clients, len(prompts), sum(tokens), wall, latencies, texts, rounds)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    prompt: int
+    setting: str
+    clients: int
+    position: int  # the first output token where the two differ
+    margin: float  # the reference's logit margin between its two likeliest tokens there
+
+
+def mismatches(
+    decoder: Decoder, prompts: Sequence[str], reference: dict[int, str], results: Sequence[LoadResult]
+) -> list[Mismatch]:
+    """Every batched output that differs from the reference (decoded alone), with the logit margin where it parts."""
+    out = []
+    for result in results:
+        for i, text in result.texts.items():
+            if text == reference.get(i, text):
+                continue
+            ours = decoder.tokenizer(text, add_special_tokens=False)["input_ids"]
+            theirs = decoder.tokenizer(reference[i], add_special_tokens=False)["input_ids"]
+            position = next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), len(ours))
+            context = decoder.encode(prompts[i]) + theirs[:position]
+            with torch.inference_mode():
+                ids = torch.tensor([context], device=decoder.target.device)
+                logits = decoder.target.model(input_ids=ids).logits[0, -1].float()
+            top = torch.topk(logits, 2).values
+            out.append(Mismatch(i, result.setting, result.clients, position, float(top[0] - top[1])))
+    return out
+
+
+def run_loads(
+    make_decoder: Callable[[str], Decoder],
+    settings: Sequence[Setting],
+    prompts: Sequence[str],
+    loads: Sequence[int],
+    max_tokens: int,
+    requests: int,
+    log: Callable[[str], None] = print,
+) -> tuple[list[LoadResult], list[Mismatch]]:
+    """Every setting at every load: `requests` requests, or two per client where that is more. The first
+    setting (max_batch 1) is the reference for outputs."""
+    results = []
+    for setting in settings:
+        for clients in loads:
+            count = min(len(prompts), max(requests, 2 * clients))
+            result = run_load(make_decoder(setting.policy), setting, prompts[:count], clients, max_tokens)
+            log(
+                f"{setting.label:>24} clients {clients:>3}: {result.throughput:7.1f} tok/s, "
+                f"p50 {result.latency(0.5):6.2f} s, p95 {result.latency(0.95):6.2f} s ({result.wall_s:.0f} s)"
+            )
+            results.append(result)
+    alone = [r for r in results if r.setting == settings[0].label]
+    reference = {i: t for r in alone for i, t in r.texts.items()}
+    checker = make_decoder(settings[0].policy)
+    return results, mismatches(checker, prompts, reference, [r for r in results if r.setting != settings[0].label])
+
+
+def table(results: Sequence[LoadResult], baseline: str) -> str:
+    """Markdown: per load, each setting's throughput (and its ratio to the baseline's), p50 and p95 latency."""
+    lines = [
+        "| clients | setting | tokens/s | vs " + baseline + " | p50 latency (s) | p95 latency (s) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    base = {r.clients: r.throughput for r in results if r.setting == baseline}
+    for r in sorted(results, key=lambda r: (r.clients, r.setting != baseline)):
+        ratio = r.throughput / base[r.clients] if r.clients in base else float("nan")
+        lines.append(
+            f"| {r.clients} | {r.setting} | {r.throughput:.1f} | {ratio:.2f}x | {r.latency(0.5):.2f} | "
+            f"{r.latency(0.95):.2f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""`metasd serve-bench`: the server's throughput and latency at several numbers of concurrent clients, with
+continuous batching against one request at a time and against the same batch without drafting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from .args import add_decoder_args, build_decoder
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve-bench",
+        help="load test of the server: throughput and latency by concurrent clients, batched and one at a time",
+    )
+    p.add_argument("--clients", default="1,4,8,16", help="concurrent clients per load (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=16, help="the batched settings' --max-batch (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=16, help="requests per load, at least two per client (default: 16)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per request (default: %(default)s)")
+    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: as `metasd bench` finds it)")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    add_decoder_args(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    loads = [int(c) for c in args.clients.split(",")]
+    if not loads or min(loads) < 1 or args.max_batch < 1 or args.requests < 1 or args.max_new_tokens < 1:
+        raise ValueError("--clients, --max-batch, --requests and --max-new-tokens must be >= 1")
+    from ..bench.load import Setting, run_loads, table
+    from ..bench.questions import GROUPS, load_questions, select_questions
+    from ..bench.spec_bench import spec_bench_questions
+
+    questions = load_questions(args.questions or spec_bench_questions())
+    count = max(args.requests, 2 * max(loads))
+    per_group = -(-count // len(GROUPS))
+    lanes = [[q.turns[0] for q in select_questions(questions, [group], per_group)] for group in GROUPS]
+    interleaved = [lane[r] for r in range(per_group) for lane in lanes if r < len(lane)]  # every group in turn
+    settings = [
+        Setting("max-batch 1", 1, args.policy),
+        Setting(f"max-batch {args.max_batch}", args.max_batch, args.policy),
+        Setting(f"max-batch {args.max_batch}, no drafting", args.max_batch, "none"),
+    ]
+
+    def make_decoder(policy: str):
+        args.policy = policy
+        return build_decoder(args)
+
+    started = time.perf_counter()
+    results, mismatches = run_loads(make_decoder, settings, interleaved, loads, args.max_new_tokens, args.requests)
+    print(table(results, settings[0].label))
+    served = sum(len(r.texts) for r in results if r.setting != settings[0].label)
+    print(f"greedy outputs differing from decoding alone: {len(mismatches)} of {served}")
+    for m in mismatches:
+        print(f"  prompt {m.prompt} ({m.setting}, {m.clients} clients): from token {m.position}, margin {m.margin:.4f}")
+    print(f"wall time: {time.perf_counter() - started:.0f} s")
+    if args.out:
+        out = {
+            "results": [
+                {
+                    "setting": r.setting,
+                    "clients": r.clients,
+                    "requests": r.requests,
+                    "tokens": r.tokens,
+                    "wall_s": r.wall_s,
+                    "throughput": r.throughput,
+                    "p50": r.latency(0.5),
+                    "p95": r.latency(0.95),
+                    "batch_rounds": r.batch_rounds,
+                }
+                for r in results
+            ],
+            "mismatches": [vars(m) for m in mismatches],
+        }
+        Path(args.out).write_text(json.dumps(out, indent=1))
