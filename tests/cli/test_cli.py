@@ -86,3 +86,17 @@ def test_calibrate_prints_the_table_and_the_kernel_of_each_m(capsys, embedded):
     finally:
         if before is not None:
             install(embedded.model, before)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--max-batch", "0"], "--max-batch"),
+        (["serve-bench", "--clients", "0"], "--clients"),
+        (["serve-bench", "--max-batch", "0"], "--max-batch"),
+    ],
+)
+def test_serving_options_are_checked_before_anything_loads(capsys, argv, message):
+    code = main(argv)
+    _, err = capsys.readouterr()
+    assert code != 0 and message in err and "Traceback" not in err

@@ -637,6 +637,8 @@ def test_history_scope_options_are_checked(embedded):
         create_app(Decoder(drafters=POOL, policy_scope="server"), api_key="k", history_scope="off")
     with pytest.raises(ValueError, match="empty"):
         create_app(decoder, api_key="a,,b")
+    with pytest.raises(ValueError, match="max_batch"):
+        create_app(decoder, max_batch=0)
 
 
 def test_incremental_text_equals_a_whole_decode(embedded):
