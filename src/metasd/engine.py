@@ -326,6 +326,10 @@ class Generation:
         )
 
     @property
+    def started(self) -> bool:
+        return self._started is not None
+
+    @property
     def done(self) -> bool:
         return len(self.token_ids) >= self.max_new_tokens or self.finish_reason == "stop"
 
@@ -345,7 +349,7 @@ class Generation:
 
     def finish(self) -> None:
         """The request ended (or was abandoned): what was generated is real output, for the policy and drafters."""
-        if self._finished or self._started is None:
+        if self._finished or not self.started:
             return
         self._finished = True
         if self.policy is not None:
@@ -373,17 +377,22 @@ class Generation:
         prefilled = self.target.fed_tokens - fed > turn.tree.size + 1
         return self.conclude(turn, logits, prefilled=prefilled, alone=True)
 
-    def outlook(self) -> Turn:
-        """What a round starts from: the draft room, the drafters' lags, and the free drafters' proposals."""
+    @property
+    def room(self) -> int:
+        """The longest draft the next round may verify (max_draft, and the tokens still wanted)."""
+        return min(self.max_draft, self.max_new_tokens - len(self.token_ids) - 1)
+
+    def outlook(self, propose: bool = True) -> Turn:
+        """What a round starts from: the draft room, the drafters' lags, and the free drafters' proposals (for a
+        policy that wants them, unless the round will not draft: propose False)."""
         clock = _Clock()
         remaining = self.max_new_tokens - len(self.token_ids)
-        limit = min(self.max_draft, remaining - 1)
         # tokens each model drafter must take in before drafting: the prompt on its first draft, then what it missed
         lags = [len(self.context) - self._synced[d.name] if d.has_cache else 0 for d in self.pool]
         fresh = [d.has_cache and d.name not in self._drafted for d in self.pool]
-        wants = self.policy is not None and self.policy.wants_proposals
-        proposals, times = self._proposals(self.context, limit) if wants else ({}, {})
-        return Turn(clock, limit, remaining, lags, fresh, proposals, times)
+        wants = propose and self.policy is not None and self.policy.wants_proposals
+        proposals, times = self._proposals(self.context, self.room) if wants else ({}, {})
+        return Turn(clock, self.room, remaining, lags, fresh, proposals, times)
 
     def choose(self, turn: Turn) -> None:
         """The policy's (drafter, k) for a request decoding alone."""

@@ -13,7 +13,8 @@ from test_sampling_distribution import DRAWS, PARAMS, PROMPT, _decoder, exact_pa
 from metasd import Decoder
 from metasd.batching.batch import Batch
 from metasd.batching.decision import Plan, decide
-from metasd.policy.adaptive import Option
+from metasd.engine import Generation
+from metasd.policy.adaptive import AdaptivePolicy, Option
 
 PROMPTS = [
     "Write a python function that reverses a list.",
@@ -72,6 +73,28 @@ def test_joining_and_leaving_leaves_every_other_output_as_it_is_alone(decoder, a
     if flat:
         assert drafted > 0  # rows drafted (the EAGLE head among them) and were verified together
     assert batch.target.active == 0 and not batch.requests
+
+
+def test_a_batch_that_cannot_gain_from_drafting_skips_the_proposals(decoder, alone, monkeypatch):
+    """Where even the best acceptance the policies have seen cannot pay for a wider forward, no request's free
+    drafters propose and no option is weighed: the batch takes plain steps, outputs unchanged."""
+    batch = Batch(decoder, max_batch=2)
+    batch.costs.widths = lambda size, max_width: [0.03 * w * w for w in range(1, max_width + 1)]
+    asked = Counter()
+    for name in ("_proposals", "options"):
+        owner = Generation if name == "_proposals" else AdaptivePolicy
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _f=original, _n=name, **kw: asked.update([_n]) or _f(*a, **kw))
+    requests = [decoder.stream(p, max_new_tokens=40) for p in PROMPTS[3:]]
+    for request in requests:
+        batch.join(request)
+    while len(batch) > 1:
+        batch.step()
+    assert asked == Counter() and batch.stats.drafted[2] == 0
+    while len(batch):
+        batch.step()
+    for request, prompt in zip(requests, PROMPTS[3:], strict=True):
+        assert request.token_ids == alone[prompt]
 
 
 def test_sampled_output_in_a_batch_follows_the_targets_distribution(pair):

@@ -593,3 +593,16 @@ def test_prefills_are_not_taken_for_forward_costs(embedded):
     assert again.stats.rounds[0].catch_up == 0  # the prompt is not counted as missed tokens
     intake = costs.drafter("early-exit:4").catch_up
     assert intake.measured and intake(400) > intake(4)
+
+
+def test_the_ceiling_bounds_every_option():
+    """`ceiling` is what a batch compares with a plain step before asking for options: no option may exceed it."""
+    policy = policy_with([0.01] * 13, accept=0.5, beta=0.3)
+    rng = np.random.default_rng(0)
+    policy.acceptance.accepted[:] = rng.uniform(0, 50, policy.acceptance.accepted.shape)  # cells differ by level
+    ceiling = policy.ceiling(8)
+    for confidence in (0.05, 0.5, 0.95, None):
+        draft = Draft(list(range(8)), confidence=None if confidence is None else [confidence] * 8)
+        for option in policy.options(8, {0: draft}, [0, 0]):
+            assert np.all(option.gain <= ceiling[: len(option.gain)] + 1e-12)
+    assert ceiling[0] == 1.0 and np.all(np.diff(ceiling) >= 0)

@@ -18,6 +18,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..drafters.base import for_request
 from ..engine import Decoder, Generation
 from ..policy import Policy
@@ -49,11 +51,12 @@ class Batch:
         self.max_batch = max_batch
         readers = any(getattr(d, "reads_target_features", False) for d in decoder.drafters.values())
         self.target = BatchedTarget(decoder.target.model, rows=max_batch, keep_features=readers)
-        single = decoder.cost_model().target
+        costs = decoder.cost_model()
         tables = {}
         if max_batch > 1:
-            tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, single.max_tokens)
-        self.costs = BatchCost(single, tables, max_batch)
+            widths = costs.target.max_tokens
+            tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, widths)
+        self.costs = BatchCost(costs, tables, max_batch)
         self.requests: list[Generation] = []
         self.stats = BatchStats()
         self.last = (0, 0, 0)  # the last round's batch size, tokens drafted, tokens accepted
@@ -71,7 +74,7 @@ class Batch:
         """Start a request from `Decoder.stream` (not iterated yet) in this batch; its prompt is prefilled now."""
         if self.full:
             raise RuntimeError(f"the batch is full ({self.max_batch} requests)")
-        if request.decoder is not self.decoder or request._started is not None:
+        if request.decoder is not self.decoder or request.started:
             raise ValueError("a batch takes requests of its own decoder that have not started")
         row = self.target.add_row()
         try:
@@ -122,15 +125,16 @@ class Batch:
 
     def _round(self) -> list[tuple[Generation, list[int]]]:
         requests, size = self.requests, len(self.requests)
-        turns = [request.outlook() for request in requests]
-        widest = max(turn.limit for turn in turns) + 1
-        times = self.costs.widths(size, max(widest, 1))
-        plans = [_plan(request, turn) for request, turn in zip(requests, turns, strict=True)]
-        decision = decide(plans, times)
-        for request, turn, (arm, k) in zip(requests, turns, decision.choices, strict=True):
-            turn.arm, turn.k = arm, min(k, turn.limit)
-            if isinstance(request.policy, AdaptivePolicy):
-                request.policy.use_bar(decision.rate)
+        times = self.costs.widths(size, max(r.room for r in requests) + 1)
+        drafts = self._may_draft(times)
+        turns = [request.outlook(propose=drafts) for request in requests]
+        if drafts:
+            decision = decide([_plan(request, turn) for request, turn in zip(requests, turns, strict=True)], times)
+            for request, turn, (arm, k) in zip(requests, turns, decision.choices, strict=True):
+                turn.arm, turn.k = arm, min(k, turn.limit)
+                if isinstance(request.policy, AdaptivePolicy):
+                    request.policy.use_bar(decision.rate)
+        for request, turn in zip(requests, turns, strict=True):
             request.draft(turn, stop_rules=False)  # the batch chose k; a stop rule prices rounds of one
         started = time.perf_counter()
         logits = self.target.forward([(r.target, r.context, t.tree) for r, t in zip(requests, turns, strict=True)])
@@ -142,6 +146,23 @@ class Batch:
             out.append((request, request.conclude(turn, rows, prefilled=False, alone=False)))
         self._count(size, requests)
         return out
+
+    def _may_draft(self, times: list[float]) -> bool:
+        """Whether any drafting could pay this round: False when every request drafting k tokens at its policy's
+        ceiling (`AdaptivePolicy.ceiling`: the best acceptance it has seen, drafting free) still yields fewer tokens
+        per second than a plain batch step, for every k. The round then skips every request's proposals and
+        options, work it would pay for nothing. Policies without a ceiling (the bandits) always decide."""
+        ceilings = []
+        for request in self.requests:
+            if request.policy is None or request.room <= 0:
+                ceilings.append(np.ones(len(times)))
+            elif isinstance(request.policy, AdaptivePolicy):
+                ceiling = request.policy.ceiling(request.room)
+                ceilings.append(np.concatenate([ceiling, np.full(len(times) - len(ceiling), ceiling[-1])]))
+            else:
+                return True
+        rates = np.sum(ceilings, axis=0) / np.asarray(times)
+        return bool(rates[1:].max(initial=0.0) > rates[0])
 
     def _count(self, size: int, requests: list[Generation]) -> None:
         rounds = [request.stats.rounds[-1] for request in requests]

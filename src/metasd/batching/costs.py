@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..costs import CONTEXT, TargetCost, cache_file, calibration_key
+from ..costs import CONTEXT, CostModel, TargetCost, cache_file, calibration_key
 from ..drafters.base import Draft
 from ..tree import DraftTree
 from .slots import BatchedTarget
@@ -36,8 +36,8 @@ class BatchCost:
     """T(B, W) in seconds: B = 1 is the decoder's own T(M); every larger B has a `TargetCost` over W, from the
     calibrated table of its size or interpolated between the nearest calibrated sizes, corrected by real rounds."""
 
-    def __init__(self, single: TargetCost, tables: dict[int, list[float]], max_batch: int):
-        self.single = single
+    def __init__(self, costs: CostModel, tables: dict[int, list[float]], max_batch: int):
+        self.costs = costs  # the decoder's: its T(M) (`costs.target`, replaced when the decoder extends its range)
         self.max_batch = max_batch
         self.by_size: dict[int, TargetCost] = {}
         known = sorted(tables)
@@ -49,7 +49,7 @@ class BatchCost:
             self.by_size[b] = TargetCost(table)
 
     def __call__(self, size: int, width: int) -> float:
-        return self.single(width) if size <= 1 else self.by_size[min(size, self.max_batch)](width)
+        return self.costs.target(width) if size <= 1 else self.by_size[min(size, self.max_batch)](width)
 
     def widths(self, size: int, max_width: int) -> list[float]:
         """[T(size, 1), ..., T(size, max_width)]: one round's lookups at once."""
@@ -57,7 +57,7 @@ class BatchCost:
 
     def observe(self, size: int, width: int, seconds: float) -> None:
         if size <= 1:
-            self.single.observe(width, seconds)
+            self.costs.target.observe(width, seconds)
         else:
             self.by_size[min(size, self.max_batch)].observe(width, seconds)
 

@@ -142,6 +142,14 @@ class AcceptanceModel:
         hits, tried = self.accepted[arm, level, pos], self.tried[arm, level, pos]
         return float((hits + _POOL_WEIGHT * pooled) / (tried + _POOL_WEIGHT))
 
+    def best_rates(self, arm: int, m: int) -> np.ndarray:
+        """[m] the highest conditional acceptance any signal level of this drafter offers at each position: what
+        no draft of it is expected to beat (`AdaptivePolicy.ceiling`)."""
+        pos = positions(m)
+        pooled = self.position_means(arm)[pos]
+        cells = (self.accepted[arm][:, pos] + _POOL_WEIGHT * pooled) / (self.tried[arm][:, pos] + _POOL_WEIGHT)
+        return cells.max(0)
+
     def plan_rates(self, arm: int, m: int) -> np.ndarray:
         """[m] conditional acceptance before the draft exists (its signals unknown): the position means."""
         return self.position_means(arm)[positions(m)]

@@ -272,6 +272,21 @@ class AdaptivePolicy:
                 out.append(self._model_option(arm, m, step, lags[arm], fresh_arm, remaining))
         return out
 
+    def ceiling(self, k_max: int) -> np.ndarray:
+        """[k_max + 1] expected tokens of the best draft of k = 0..k_max tokens any drafter could offer now: each
+        token at the highest acceptance any signal level of any drafter has shown, with a model drafter's optimism
+        bonus, drafting free. No option of `options` exceeds it, so a batch that would not draft even at the
+        ceiling can skip the proposals and options of the round."""
+        if k_max <= 0:
+            return np.ones(1)
+        best = np.zeros(k_max)
+        for arm in range(self.n_arms):
+            rates = self.acceptance.best_rates(arm, k_max)
+            if not self.free[arm]:
+                rates = np.minimum(np.maximum(rates, self.acceptance.plan_rates(arm, k_max)) + self._bonus(arm), 1.0)
+            best = np.maximum(best, rates)
+        return expected_tokens(best)
+
     def use_bar(self, rate: float) -> None:
         """The rate, in tokens per second, that later choices this round (continuations, branches) must beat: set
         by a batch, whose rounds are shared (`metasd.batching`); `choose` sets its own."""
