@@ -2,8 +2,9 @@
 
 One round: select a drafter -> it proposes up to k tokens (a policy that grows trees adds other drafters' proposals
 as branches: `metasd.tree`) -> one target forward over them -> the acceptance rule keeps a path and adds the
-target's own token -> the policy is rewarded. That is `Generation._round`; everything else (prompt handling, request
-options, statistics) is bookkeeping around it.
+target's own token -> the policy is rewarded. That is `Generation.step`, in phases (`outlook`, `choose`, `draft`, the
+forward, `conclude`) that a batch (`metasd.batching`) runs for several requests around one forward; everything else
+(prompt handling, request options, statistics) is bookkeeping around it.
 """
 
 from __future__ import annotations
