@@ -142,11 +142,12 @@ def run_loads(
     requests: int,
     log: Callable[[str], None] = print,
 ) -> tuple[list[LoadResult], list[Mismatch]]:
-    """Every setting at every load: `requests` requests, or two per client where that is more. The first
-    setting (max_batch 1) is the reference for outputs."""
+    """Every setting at every load: `requests` requests, or two per client where that is more. The settings take
+    turns within each load, so a machine that drifts (clocks, neighbours) over the minutes a run takes weighs on
+    every setting of a load alike. The first setting (max_batch 1) is the reference for outputs."""
     results = []
-    for setting in settings:
-        for clients in loads:
+    for clients in loads:
+        for setting in settings:
             count = min(len(prompts), max(requests, 2 * clients))
             result = run_load(make_decoder(setting.policy), setting, prompts[:count], clients, max_tokens)
             log(
