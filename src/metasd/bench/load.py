@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from ..engine import Decoder
 from ..serving.background import running
@@ -95,11 +96,12 @@ def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed under load, e.g. {errors[0]}")
-    rounds = {}
-    for line in metrics.splitlines():
-        if line.startswith("metasd:batch_size_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            rounds[le] = float(line.rsplit(" ", 1)[1])
+    rounds = {
+        sample.labels["le"]: sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "metasd:batch_size_bucket"
+    }
     return LoadResult(setting.label, clients, len(prompts), sum(tokens), wall, latencies, texts, rounds)
 
 

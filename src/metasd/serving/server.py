@@ -425,9 +425,7 @@ class _Engine:
                 raise
         while self.ready and not self.batch.full:
             job, gen = self.ready.popleft()
-            if job.cancel.is_set():  # the client left while queued
-                self.metrics.success.labels("abort").inc()
-                job.emit("done", _Outcome("", "abort"))
+            if self._left(job):
                 continue
             try:
                 self._join(job, gen)
@@ -441,14 +439,19 @@ class _Engine:
 
     def _check(self, job: _Job) -> None:
         """A queued job becomes a request ready to join (or gets its 4xx, or its abort)."""
-        if job.cancel.is_set():
-            self.metrics.success.labels("abort").inc()
-            job.emit("done", _Outcome("", "abort"))
+        if self._left(job):
             return
         try:
             self.ready.append((job, self._start(job)))
         except ApiError as err:
             job.emit("error", err)
+
+    def _left(self, job: _Job) -> bool:
+        """Whether the client left while its job waited (then it is answered as aborted)."""
+        if job.cancel.is_set():
+            self.metrics.success.labels("abort").inc()
+            job.emit("done", _Outcome("", "abort"))
+        return job.cancel.is_set()
 
     def _join(self, job: _Job, gen: Generation) -> None:
         for drafter in self.decoder.drafters.values():  # the request's own history (--history-scope): its
