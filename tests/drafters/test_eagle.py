@@ -133,6 +133,24 @@ def test_greedy_output_with_a_head_in_the_pool_is_the_targets(embedded, head_dir
             assert result.stats.drafters()[spec].drafted > 0
 
 
+@pytest.mark.parametrize("weights", ["int8", "unquantized"])
+def test_the_head_drafts_on_the_weights_asked_for_and_output_stays_the_targets(embedded, head_dir, weights):
+    """`eagle:DIR:int8` drafts one-row steps on int8 weights (its catch-up on the float ones), `:unquantized` never
+    does; either way the drafter says which and greedy output is the target's."""
+    spec = f"eagle:{head_dir}:{weights}"
+    decoder = Decoder(drafters=[spec], policy=f"fixed:{spec}")
+    assert decoder.drafters[spec].weights.startswith(weights)
+    ids = decoder.encode("Name two rivers in Europe.")
+    result = decoder.generate(ids, max_new_tokens=24)
+    assert result.token_ids == greedy_reference(embedded.model, ids, 24)
+    assert result.stats.drafters()[spec].drafted > 0
+
+
+def test_an_unknown_weights_word_is_read_as_part_of_the_path(embedded, head_dir):
+    with pytest.raises(ValueError, match="not an EAGLE head directory"):
+        build_drafter(f"eagle:{head_dir}:int4", embedded)
+
+
 def test_the_default_pool_drafts_with_the_shipped_head(embedded):
     """metasd ships a head for the embedded model: the default pool has it, and greedy output stays the target's."""
     assert shipped_head(embedded.model) is not None

@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 from helpers import greedy_reference, tiny_llama
+from transformers import DynamicCache
 
 from metasd import Decoder
 from metasd.cli import main
-from metasd.models.eagle_head import load_head
+from metasd.models.eagle_head import EagleHead, head_config_for, load_head
 from metasd.specialists.eagle_corpus import encode_documents, encode_prompts, read_corpus, write_corpus
-from metasd.specialists.eagle_train import TrainConfig, train_head
+from metasd.specialists.eagle_train import TrainConfig, head_passes, train_head
 
 PROMPTS = ["Name a colour.", "Count to three.", "Say hello.", "What is two plus two?", "Write one word."]
 
@@ -110,7 +111,7 @@ def test_training_resumes_from_its_checkpoint_where_it_stopped(tiny_target, tmp_
     target = load_model(tiny_target)
     write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), tmp_path / "corpus", max_new_tokens=6)
     seqs = read_corpus(tmp_path / "corpus")
-    cfg = TrainConfig(epochs=3, batch_tokens=64, draft_vocab=256)
+    cfg = TrainConfig(epochs=3, batch_tokens=64, draft_vocab=256, unroll=2)  # with the training-time test
     train_head(target, seqs, tmp_path / "whole", cfg)
 
     def interrupt(step: int, steps: int, metrics: dict) -> None:
@@ -137,3 +138,21 @@ def test_documents_are_read_whole_in_one_prefill(tiny_target, texts_file, tmp_pa
     write_corpus(target, [doc, doc[:7]], tmp_path, max_new_tokens=0)
     assert sorted(s.tokens.tolist() for s in read_corpus(tmp_path)) == sorted([doc, doc[:7]])
     assert encode_documents(target.tokenizer, [texts_file], 7) == [doc[:7]]
+
+
+def test_the_unrolled_pass_computes_what_a_second_draft_step_computes():
+    """Training-time test: the second pass's entry i, fed the head's own prediction of f_i, equals the drafting
+    step that follows a catch-up over the true entries before i (the head's cache as `EagleDrafter` builds it)."""
+    torch.manual_seed(0)
+    model = tiny_llama(64, layers=1)
+    head = EagleHead(head_config_for(model, 64), torch.arange(64)).eval()
+    feats, embeds = torch.randn(1, 9, model.config.hidden_size), torch.randn(1, 9, model.config.hidden_size)
+    with torch.no_grad():
+        pred, pred2 = head_passes(head, feats, embeds, unroll=2)
+        for i in (1, 4, 8):
+            cache = DynamicCache(config=head.body.config)
+            caught_up = head(feats[:, :i], embeds[:, :i], cache=cache)  # entries 0 .. i - 1 from true features
+            assert torch.allclose(caught_up[:, -1], pred[:, i - 1], atol=1e-5)
+            step = head(caught_up[:, -1:], embeds[:, i : i + 1], cache=cache)  # entry i from its own prediction
+            assert torch.allclose(step[:, 0], pred2[:, i], atol=1e-5)
+    assert head_passes(head, feats, embeds, unroll=1)[1] is None

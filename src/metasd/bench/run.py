@@ -298,8 +298,8 @@ def write_outputs(
 
 
 def drafter_weights(decoder) -> dict[str, str]:
-    """What each model drafter drafts with (`int8_weights.drafting_weights`: "int8", "int8 up to R rows" or
-    "unquantized"): `auto` decides per machine."""
+    """What each model drafter and EAGLE head drafts with ("int8", "int8 up to R rows", "unquantized" or, for a
+    head, "unquantized, KERNEL"): `auto` decides per machine."""
     return {name: d.weights for name, d in decoder.drafters.items() if hasattr(d, "weights")}
 
 

@@ -46,6 +46,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine to 0 (default: %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded positions per step (default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default: %(default)s)")
+    p.add_argument(
+        "--unroll",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: also train on the head's own predicted features, as a second draft token's step reads them "
+        "(EAGLE-3's training-time test; twice the training time) (default: %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=run)
@@ -119,7 +127,13 @@ def run(args: argparse.Namespace) -> None:
             )
             seqs += read_corpus(texts_dir)
     corpus_seconds = time.perf_counter() - started
-    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab)
+    cfg = TrainConfig(
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_tokens=args.batch_tokens,
+        draft_vocab=args.draft_vocab,
+        unroll=args.unroll,
+    )
     with tqdm(unit="step", desc="training", disable=args.quiet) as bar:
 
         def trained(step: int, steps: int, metrics: dict) -> None:

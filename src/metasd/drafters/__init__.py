@@ -13,7 +13,7 @@ from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
 DRAFTER_KINDS = (
-    "eagle[:HEAD_DIR]",
+    "eagle[:HEAD_DIR][:WEIGHTS]",
     "ngram[:MAX_N]",
     "suffix[:DEPTH]",
     "early-exit[:LAYERS]",

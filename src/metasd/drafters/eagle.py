@@ -8,9 +8,12 @@ context, entries built from drafted (predicted) features are dropped before the 
 It draws from q and sends q (zero outside the draft vocabulary), so sampled verification stays exact.
 
 A draft step multiplies one row by the head's weights and the draft vocabulary's readout (some 9 M weights): bound
-by memory bandwidth like the target's one-token forward, so the layout of the product matters as much as its size;
-the head's linear layers take whichever kernel of `metasd.models.linear_kernels` a step measures faster on the
-machine at hand.
+by memory bandwidth like the target's one-token forward, so the bytes read and their layout matter as much as the
+arithmetic. The head's linear layers and readout take whichever of torch's kernel, the weight-major layout
+(`metasd.models.linear_kernels`) and int8 weights (`metasd.models.int8_weights`, a quarter of float32's bytes) a
+one-row step measures faster on the machine at hand (`weights="auto"`); the catch-up over many rows stays on the
+float weights. q is computed by the weights that drew the draft, so int8 changes which tokens are drafted, never
+what the target outputs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from transformers import DynamicCache
 
 from ..cached_model import CachedModel, common_prefix
 from ..models.eagle_head import EagleHead, fits, load_head
+from ..models.int8_weights import WEIGHTS, int8_twin, split_weights
 from ..models.linear_kernels import KERNELS, install
 from ..sampling import SamplingParams, probabilities
 from .base import AutoregressiveDrafter
@@ -40,7 +44,9 @@ def shipped_head(model: torch.nn.Module) -> Path | None:
 class EagleDrafter(AutoregressiveDrafter):
     reads_target_features = True
 
-    def __init__(self, head: EagleHead, target: torch.nn.Module, name: str, vocab_size: int):
+    def __init__(self, head: EagleHead, target: torch.nn.Module, name: str, vocab_size: int, weights: str = "auto"):
+        if weights not in WEIGHTS:
+            raise ValueError(f"EAGLE head weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
         self.name = name
         param = next(target.parameters())
         self.head = head.to(device=param.device, dtype=param.dtype).eval()
@@ -50,29 +56,47 @@ class EagleDrafter(AutoregressiveDrafter):
         self.readout.weight = torch.nn.Parameter(readout, requires_grad=False)
         self.vocab_size = vocab_size
         self.target_lm: CachedModel | None = None
-        self.kernel = self._route_kernels()
+        self.weights = self._route(weights)  # what a one-row step runs on, as the bench reports for `lm:` drafters
         self.reset_cache()
 
     @torch.inference_mode()
-    def _route_kernels(self, reps: int = 9) -> str:
-        """Time a one-row step (head and readout) under each linear kernel; route one-row products to the faster
-        (more rows, as in catching up, take torch's own). Returns the kernel chosen."""
-        layers = torch.nn.ModuleList([self.head, self.readout])
+    def _route(self, weights: str, reps: int = 9) -> str:
+        """Time a one-row step (head and readout) under each float kernel and on int8 weights, as `weights`
+        allows, and keep the fastest (`auto`); `int8` insists on int8 (a ValueError where this torch build has no
+        int8 kernel for the device), `unquantized` never tries it. Returns what was chosen."""
+        floats = torch.nn.ModuleList([self.head, self.readout])
         x = torch.zeros(
             1, 1, self.readout.in_features, dtype=self.readout.weight.dtype, device=self.readout.weight.device
         )
-        medians = {}
-        for kernel in KERNELS:
-            install(layers, [kernel])
+
+        def step_seconds(layers: torch.nn.ModuleList) -> float:
             times = []
             for _ in range(reps):
                 cache = DynamicCache(config=self.head.body.config)
                 start = time.perf_counter()
-                self.readout(self.head(x, x, cache=cache))
+                layers[1](layers[0](x, x, cache=cache))
                 times.append(time.perf_counter() - start)
-            medians[kernel] = sorted(times)[reps // 2]
-        best = min(medians, key=medians.get)
-        install(layers, [best])
+            return sorted(times)[reps // 2]
+
+        choices: dict[str, tuple[float, torch.nn.ModuleList]] = {}
+        if weights != "unquantized":
+            twin = int8_twin(floats)
+            for layer in twin.modules():
+                if hasattr(layer, "int8_rows"):
+                    layer.int8_rows = 1  # a catch-up's many rows run on the float weights
+            try:
+                choices["int8"] = (step_seconds(twin), twin)
+            except (NotImplementedError, RuntimeError) as err:
+                if weights == "int8":
+                    raise ValueError(f"{self.name}: int8 weights are not available here ({err})") from err
+        if weights != "int8":
+            for kernel in KERNELS:
+                install(floats, [kernel])
+                choices[f"unquantized, {kernel}"] = (step_seconds(floats), floats)
+        best = min(choices, key=lambda name: choices[name][0])
+        if best.startswith("unquantized"):
+            install(floats, [best.partition(", ")[2]])
+        self.head, self.readout = choices[best][1]
         return best
 
     def read_features_from(self, target_lm: CachedModel) -> None:
@@ -142,9 +166,11 @@ class EagleDrafter(AutoregressiveDrafter):
 
 
 def build_eagle(arg: str, target) -> EagleDrafter:
-    """`eagle:PATH` (a head directory from `metasd train-eagle`), or `eagle`: the head shipped for this target."""
-    if arg:
-        path = Path(arg).expanduser()
+    """`eagle[:PATH][:WEIGHTS]`: a head directory from `metasd train-eagle`, or with no path the head shipped for
+    this target; WEIGHTS (`auto`, `int8`, `unquantized`) as for `lm:` drafters."""
+    head_dir, weights = split_weights(arg)
+    if head_dir:
+        path = Path(head_dir).expanduser()
     else:
         path = shipped_head(target.model)
         if path is None:
@@ -154,5 +180,9 @@ def build_eagle(arg: str, target) -> EagleDrafter:
             )
     saved = load_head(path, target.model)
     return EagleDrafter(
-        saved.head, target.model, name="eagle" if not arg else f"eagle:{arg}", vocab_size=target.vocab_size
+        saved.head,
+        target.model,
+        name="eagle" if not arg else f"eagle:{arg}",
+        vocab_size=target.vocab_size,
+        weights=weights or "auto",
     )

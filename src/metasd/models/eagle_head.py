@@ -120,11 +120,17 @@ class EagleHead(torch.nn.Module):
         embeds: torch.Tensor,
         cache=None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """features [B, n, d] (f_i) and embeds [B, n, d] (token i + 1) -> predicted features [B, n, d] (f_(i+1))."""
+        """features [B, n, d] (f_i) and embeds [B, n, d] (token i + 1) -> predicted features [B, n, d] (f_(i+1));
+        causal over the cache and the new entries unless a 4D additive attention_mask says otherwise."""
         fused = self.fc(torch.cat([features, embeds.to(features.dtype)], dim=-1))
         return self.body(
-            inputs_embeds=fused, cache=cache, use_cache=cache is not None, position_ids=position_ids
+            inputs_embeds=fused,
+            cache=cache,
+            use_cache=cache is not None,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
         ).last_hidden_state
 
 

@@ -3,8 +3,11 @@
 Loss per position i (EAGLE, arXiv 2401.15077): smooth-L1 between the predicted and the true feature f_(i+1), plus
 the cross-entropy of the head's next-token distribution against the target's own (both over the draft vocabulary).
 Input features get uniform noise, as EAGLE does, so the head tolerates its own imperfect predictions when drafting
-several tokens from them. Sequences are right-padded into batches of similar length; causal attention keeps real
-positions from ever seeing padding.
+several tokens from them. With `unroll=2` the head also trains on its own predictions, as drafting uses them
+(EAGLE-3's training-time test, arXiv 2503.01840): a second pass feeds entry i the head's predicted feature of
+position i (from entry i - 1) instead of the true one, attending to the true entries before i and to itself, as a
+second draft token's step does, and adds that pass's loss. Sequences are right-padded into batches of similar
+length; causal attention keeps real positions from ever seeing padding.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from ..models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
 from .distill import length_batches
@@ -33,6 +37,7 @@ class TrainConfig:
     noise: float = 0.1  # uniform noise amplitude on input features
     feature_weight: float = 1.0
     token_weight: float = 1.0
+    unroll: int = 1  # 2: also train on the head's own predicted features (training-time test)
     seed: int = 0
 
 
@@ -67,6 +72,43 @@ def _stack(
     return tokens, feats, real
 
 
+def _pass_loss(
+    pred: torch.Tensor, want: torch.Tensor, readout: torch.Tensor, cfg: TrainConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, feature loss, token loss, per-row agreement of the argmax with the target's) for rows [N, d]."""
+    feature_loss = torch.nn.functional.smooth_l1_loss(pred, want)
+    target_p = torch.softmax(want @ readout.T, dim=-1)
+    logq = torch.log_softmax(pred @ readout.T, dim=-1)
+    token_loss = -(target_p * logq).sum(-1).mean()
+    agree = logq.argmax(-1) == target_p.argmax(-1)
+    return cfg.feature_weight * feature_loss + cfg.token_weight * token_loss, feature_loss, token_loss, agree
+
+
+def _second_step_mask(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, n, 2n] additive mask of the unrolled pass: its entry i sees the first pass's (true) entries j < i and
+    its own entry, nothing else; what the step drafting a second token sees in the head's cache."""
+    i = torch.arange(n)
+    allowed = torch.cat([i[None, :] < i[:, None], torch.eye(n, dtype=torch.bool)], dim=1)
+    mask = torch.zeros(n, 2 * n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def head_passes(
+    head: EagleHead, inputs: torch.Tensor, embeds: torch.Tensor, unroll: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's predictions [B, n, d] from entries (inputs_i, embeds_i), and with unroll=2 its predictions from
+    entries (its own prediction of f_i, embeds_i), each attending to the true entries before it and itself (entry 0
+    has no prediction of its own: its row is not a step drafting does)."""
+    cache = DynamicCache(config=head.body.config) if unroll > 1 else None
+    pred = head(inputs, embeds, cache=cache)
+    if unroll < 2:
+        return pred, None
+    b, n = pred.shape[:2]
+    own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
+    mask = _second_step_mask(n, pred.dtype).expand(b, 1, n, 2 * n)
+    return pred, head(own, embeds, cache=cache, position_ids=torch.arange(n).expand(b, n), attention_mask=mask)
+
+
 def head_loss(
     head: EagleHead,
     embed: torch.nn.Embedding,
@@ -76,26 +118,34 @@ def head_loss(
     real: torch.Tensor,
     cfg: TrainConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss over every pair (f_i, token i+1) -> f_(i+1) whose target feature is real; readout [Vd, d]."""
+    """Loss over every pair (f_i, token i+1) -> f_(i+1) whose target feature is real (and with unroll=2 over the
+    second pass's entries whose predecessor was real too); readout [Vd, d]."""
     inputs = feats[:, :-1]
     if cfg.noise > 0:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * cfg.noise
-    pred = head(inputs, embed(tokens[:, 1:]))
+    pred, pred2 = head_passes(head, inputs, embed(tokens[:, 1:]), cfg.unroll)
     want, mask = feats[:, 1:], real[:, 1:] & real[:, :-1]
-    pred, want = pred[mask], want[mask]
-    feature_loss = torch.nn.functional.smooth_l1_loss(pred, want)
-    target_p = torch.softmax(want @ readout.T, dim=-1)
-    logq = torch.log_softmax(pred @ readout.T, dim=-1)
-    token_loss = -(target_p * logq).sum(-1).mean()
-    top1 = (logq.argmax(-1) == target_p.argmax(-1)).float().mean()
-    loss = cfg.feature_weight * feature_loss + cfg.token_weight * token_loss
-    return loss, {"feature": feature_loss.item(), "token": token_loss.item(), "top1": top1.item()}
+    loss, feature_loss, token_loss, agree = _pass_loss(pred[mask], want[mask], readout, cfg)
+    metrics = {"feature": feature_loss.item(), "token": token_loss.item(), "top1": agree.float().mean().item()}
+    if pred2 is not None:
+        mask2 = mask & torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
+        loss2, _, _, agree2 = _pass_loss(pred2[mask2], want[mask2], readout, cfg)
+        loss = loss + loss2
+        first, second = torch.zeros_like(mask), torch.zeros_like(mask)
+        first[mask], second[mask2] = agree, agree2
+        metrics["top1_2"] = agree2.float().mean().item()
+        # a greedy draft's first two tokens both the target's: entry i - 1 right, then entry i from its prediction
+        metrics["both"] = (first[:, :-1] & second[:, 1:]).sum().item() / max(1, int(mask2.sum()))
+    return loss, metrics
 
 
 @torch.no_grad()
 def held_out_metrics(head, embed, readout, seqs: list[TokenFeatures], cfg: TrainConfig) -> dict:
-    """Losses and top-1 agreement with the target's next token on sequences kept out of training (no noise)."""
-    quiet = TrainConfig(**{**asdict(cfg), "noise": 0.0})
+    """Losses and top-1 agreement with the target's next token on sequences kept out of training (no noise): from
+    true features (`top1`, a draft's first token), from the head's own prediction of the previous feature
+    (`top1_2`, a second token's step) and both in a row (`both`: a greedy draft's first two tokens accepted),
+    whatever the head was trained with."""
+    quiet = TrainConfig(**{**asdict(cfg), "noise": 0.0, "unroll": 2})
     totals, n = {}, 0
     for idx in length_batches([min(len(s.tokens), cfg.max_length) for s in seqs], cfg.batch_tokens):
         _, metrics = head_loss(head, embed, readout, *_stack(seqs, idx, cfg.max_length), quiet)
