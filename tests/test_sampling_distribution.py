@@ -322,10 +322,11 @@ def test_the_adaptive_stop_rule_cutting_before_and_after_tokens_keeps_the_distri
     assert stat < chi2_bound(df), (stat, df)
 
 
-def test_sampled_output_with_an_eagle_head_follows_the_targets_distribution(pair, tmp_path):
-    """An EAGLE head on int8 weights drafts the second token (the first round has no target features yet) from a
-    draft vocabulary that lacks the target's likeliest second tokens: q is 0 there, and the rule must still give
-    them their probability."""
+@pytest.mark.parametrize("weights", ["unquantized", "int8"])
+def test_sampled_output_with_an_eagle_head_follows_the_targets_distribution(pair, tmp_path, weights):
+    """An EAGLE head (its draft steps on float or int8 weights) drafts the second token (the first round has no
+    target features yet) from a draft vocabulary that lacks the target's likeliest second tokens: q is 0 there, and
+    the rule must still give them their probability."""
     target, target_dir, _ = pair
     expected = exact_pairs(target)
     seconds = Counter()
@@ -335,7 +336,7 @@ def test_sampled_output_with_an_eagle_head_follows_the_targets_distribution(pair
     vocab = torch.tensor(sorted({x for cell in expected for x in cell} - left_out))
     head = EagleHead(head_config_for(target, len(vocab)), vocab)
     save_head(tmp_path, head, "tiny", TargetCheck.of(target), {})
-    spec = f"eagle:{tmp_path}:int8"
+    spec = f"eagle:{tmp_path}:{weights}"
     decoder = Decoder(target=target_dir, drafters=[spec], policy=f"fixed:{spec}", draft_len=3)
     counts, drafted, accepted = draw(decoder)
     assert drafted >= DRAWS // 2 and 0 < accepted < drafted

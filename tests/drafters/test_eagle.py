@@ -36,13 +36,14 @@ def test_the_target_cache_keeps_the_features_of_exactly_its_tokens():
     assert lm.features_for([1, 2, 4]).shape[0] == 2  # only the common prefix
 
 
-def test_the_heads_cache_cannot_drift(tmp_path):
+@pytest.mark.parametrize("weights", ["unquantized", "int8"])
+def test_the_heads_cache_cannot_drift(tmp_path, weights):
     """After drafts, rejections and rounds it sat out, the head drafts what a fresh head drafts from the same
-    context: its q rows are the same."""
+    context: its q rows are the same, whichever weights its draft steps run on."""
     model = tiny_llama(64, layers=1)
     head = make_head(model, tmp_path)
     lm = CachedModel(model, keep_features=True)
-    drafter = EagleDrafter(head, model, "eagle", 64)
+    drafter = EagleDrafter(head, model, "eagle", 64, weights=weights)
     drafter.read_features_from(lm)
     context = [5, 6, 7, 8]
     lm.logits_for(context)
@@ -53,7 +54,7 @@ def test_the_heads_cache_cannot_drift(tmp_path):
         context = context + extra
         lm.logits_for(context)  # a round in which another drafter drafted
     mine = drafter.propose(context, 3, GREEDY, None)
-    fresh = EagleDrafter(head, model, "eagle", 64)
+    fresh = EagleDrafter(head, model, "eagle", 64, weights=weights)
     fresh.read_features_from(lm)
     theirs = fresh.propose(context, 3, GREEDY, None)
     assert mine.tokens == theirs.tokens
@@ -147,7 +148,7 @@ def test_the_head_drafts_on_the_weights_asked_for_and_output_stays_the_targets(e
 
 
 def test_an_unknown_weights_word_is_read_as_part_of_the_path(embedded, head_dir):
-    with pytest.raises(ValueError, match="not an EAGLE head directory"):
+    with pytest.raises(ValueError, match="not an EAGLE head directory.*a ':' suffix names the weights"):
         build_drafter(f"eagle:{head_dir}:int4", embedded)
 
 

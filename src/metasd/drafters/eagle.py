@@ -9,16 +9,18 @@ It draws from q and sends q (zero outside the draft vocabulary), so sampled veri
 
 A draft step multiplies one row by the head's weights and the draft vocabulary's readout (some 9 M weights): bound
 by memory bandwidth like the target's one-token forward, so the bytes read and their layout matter as much as the
-arithmetic. The head's linear layers and readout take whichever of torch's kernel, the weight-major layout
+arithmetic. A draft step's linear layers and readout take whichever of torch's kernel, the weight-major layout
 (`metasd.models.linear_kernels`) and int8 weights (`metasd.models.int8_weights`, a quarter of float32's bytes) a
-one-row step measures faster on the machine at hand (`weights="auto"`); the catch-up over many rows stays on the
-float weights. q is computed by the weights that drew the draft, so int8 changes which tokens are drafted, never
-what the target outputs.
+one-row step measures faster on the machine at hand (`weights="auto"`); the catch-up, whose entries stay in the
+cache, always runs on the float weights. q is computed by the weights that drew the draft, so int8 changes which
+tokens are drafted, never what the target outputs or its distribution.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from transformers import DynamicCache
 
 from ..cached_model import CachedModel, common_prefix
 from ..models.eagle_head import EagleHead, fits, load_head
-from ..models.int8_weights import WEIGHTS, int8_twin, split_weights
+from ..models.int8_weights import WEIGHTS, int8_twin, route_rows, split_weights, synchronize
 from ..models.linear_kernels import KERNELS, install
 from ..sampling import SamplingParams, probabilities
 from .base import AutoregressiveDrafter
@@ -56,47 +58,55 @@ class EagleDrafter(AutoregressiveDrafter):
         self.readout.weight = torch.nn.Parameter(readout, requires_grad=False)
         self.vocab_size = vocab_size
         self.target_lm: CachedModel | None = None
-        self.weights = self._route(weights)  # what a one-row step runs on, as the bench reports for `lm:` drafters
+        # the catch-up (entries from the target's true features, kept across rounds) always runs on the float
+        # weights, so what the cache holds never depends on how many rows a call had; draft steps (entries dropped
+        # before the next draft) and the readout run on what `_route` chose
+        self.exact_head = self.head
+        self.weights = self._route(weights)  # what a draft step runs on, as the bench reports for `lm:` drafters
         self.reset_cache()
 
     @torch.inference_mode()
     def _route(self, weights: str, reps: int = 9) -> str:
         """Time a one-row step (head and readout) under each float kernel and on int8 weights, as `weights`
-        allows, and keep the fastest (`auto`); `int8` insists on int8 (a ValueError where this torch build has no
-        int8 kernel for the device), `unquantized` never tries it. Returns what was chosen."""
+        allows, interleaved after a warm-up, and keep the fastest (`auto`); `int8` insists on int8 for draft
+        steps (a ValueError where this torch build has no int8 kernel for the device), `unquantized` never tries
+        it. Returns what was chosen."""
         floats = torch.nn.ModuleList([self.head, self.readout])
-        x = torch.zeros(
-            1, 1, self.readout.in_features, dtype=self.readout.weight.dtype, device=self.readout.weight.device
-        )
+        device = self.readout.weight.device
+        x = torch.zeros(1, 1, self.readout.in_features, dtype=self.readout.weight.dtype, device=device)
 
         def step_seconds(layers: torch.nn.ModuleList) -> float:
-            times = []
-            for _ in range(reps):
-                cache = DynamicCache(config=self.head.body.config)
-                start = time.perf_counter()
-                layers[1](layers[0](x, x, cache=cache))
-                times.append(time.perf_counter() - start)
-            return sorted(times)[reps // 2]
+            cache = DynamicCache(config=self.head.body.config)
+            start = time.perf_counter()
+            layers[1](layers[0](x, x, cache=cache))
+            synchronize(device)
+            return time.perf_counter() - start
 
-        choices: dict[str, tuple[float, torch.nn.ModuleList]] = {}
+        candidates: dict[str, torch.nn.ModuleList] = {}
         if weights != "unquantized":
             twin = int8_twin(floats)
-            for layer in twin.modules():
-                if hasattr(layer, "int8_rows"):
-                    layer.int8_rows = 1  # a catch-up's many rows run on the float weights
+            route_rows(twin, 1)
             try:
-                choices["int8"] = (step_seconds(twin), twin)
+                step_seconds(twin)
+                candidates["int8 for one-row steps"] = twin
             except (NotImplementedError, RuntimeError) as err:
                 if weights == "int8":
-                    raise ValueError(f"{self.name}: int8 weights are not available here ({err})") from err
+                    raise ValueError(f"{self.name}: int8 weights are not available on {device}: {err}") from err
+                warnings.warn(f"{self.name}: int8 weights failed on {device} ({err}); drafting on float", stacklevel=2)
         if weights != "int8":
-            for kernel in KERNELS:
-                install(floats, [kernel])
-                choices[f"unquantized, {kernel}"] = (step_seconds(floats), floats)
-        best = min(choices, key=lambda name: choices[name][0])
-        if best.startswith("unquantized"):
+            candidates.update({f"unquantized, {kernel}": floats for kernel in KERNELS})
+        times: dict[str, list[float]] = {name: [] for name in candidates}
+        for rep in range(reps + 1):
+            for name, layers in candidates.items():
+                if layers is floats:
+                    install(floats, [name.partition(", ")[2]])
+                elapsed = step_seconds(layers)
+                if rep:  # the first pass warms up
+                    times[name].append(elapsed)
+        best = min(times, key=lambda name: statistics.median(times[name]))
+        if candidates[best] is floats:
             install(floats, [best.partition(", ")[2]])
-        self.head, self.readout = choices[best][1]
+        self.head, self.readout = candidates[best]
         return best
 
     def read_features_from(self, target_lm: CachedModel) -> None:
@@ -145,7 +155,7 @@ class EagleDrafter(AutoregressiveDrafter):
         elif valid < self.cache.get_seq_length():
             self.cache.crop(valid - self.cache.get_seq_length())
         ids = torch.tensor([context[valid + 1 : end + 1]], device=features.device)
-        hidden = self.head(features[valid:end].unsqueeze(0), self.embed(ids), cache=self.cache)
+        hidden = self.exact_head(features[valid:end].unsqueeze(0), self.embed(ids), cache=self.cache)
         self.pairs = list(context[1 : end + 1])
         self.exact = end
         return hidden[:, -1]
@@ -167,7 +177,7 @@ class EagleDrafter(AutoregressiveDrafter):
 
 def build_eagle(arg: str, target) -> EagleDrafter:
     """`eagle[:PATH][:WEIGHTS]`: a head directory from `metasd train-eagle`, or with no path the head shipped for
-    this target; WEIGHTS (`auto`, `int8`, `unquantized`) as for `lm:` drafters."""
+    this target; WEIGHTS (`auto`, `int8`, `unquantized`) are a draft step's, as `EagleDrafter` explains."""
     head_dir, weights = split_weights(arg)
     if head_dir:
         path = Path(head_dir).expanduser()
@@ -178,7 +188,13 @@ def build_eagle(arg: str, target) -> EagleDrafter:
                 f"metasd ships no EAGLE head for {target.spec!r}; train one with `metasd train-eagle --target "
                 f"{target.spec}` and use eagle:PATH"
             )
-    saved = load_head(path, target.model)
+    try:
+        saved = load_head(path, target.model)
+    except ValueError as err:
+        tail = head_dir.rpartition(":")[2]
+        if tail != head_dir and "/" not in tail and "\\" not in tail:  # eagle:DIR:int4: a mistyped word?
+            raise ValueError(f"{err} (after eagle:DIR, a ':' suffix names the weights: {', '.join(WEIGHTS)})") from err
+        raise
     return EagleDrafter(
         saved.head,
         target.model,

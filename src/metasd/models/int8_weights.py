@@ -92,14 +92,20 @@ def forward_seconds(model: torch.nn.Module, rows: int) -> float:
     ids = torch.ones((1, rows), dtype=torch.long, device=device)
     start = time.perf_counter()
     model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock time covers it (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
-    return time.perf_counter() - start
 
 
-def _route(twin: torch.nn.Module, rows: int) -> None:
+def route_rows(twin: torch.nn.Module, rows: int) -> None:
+    """Products of up to `rows` rows on the twin's int8 weights, larger ones on the float weights it shares."""
     for layer in twin.modules():
         if isinstance(layer, Int8Linear):
             layer.int8_rows = rows
@@ -119,14 +125,14 @@ def int8_rows(model: torch.nn.Module, twin: torch.nn.Module, reps: int = 3) -> i
         for rep in range(reps + 1):
             for which in (0, 1):
                 if faster:
-                    _route(twin, rows if which else faster)
+                    route_rows(twin, rows if which else faster)
                 elapsed = forward_seconds(twin if which or faster else model, rows)
                 if rep:
                     times[which].append(elapsed)
         if statistics.median(times[1]) >= statistics.median(times[0]):
             break
         faster = rows
-    _route(twin, faster)
+    route_rows(twin, faster)
     return faster
 
 

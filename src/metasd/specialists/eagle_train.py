@@ -84,12 +84,12 @@ def _pass_loss(
     return cfg.feature_weight * feature_loss + cfg.token_weight * token_loss, feature_loss, token_loss, agree
 
 
-def _second_step_mask(n: int, dtype: torch.dtype) -> torch.Tensor:
+def _second_step_mask(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[1, 1, n, 2n] additive mask of the unrolled pass: its entry i sees the first pass's (true) entries j < i and
     its own entry, nothing else; what the step drafting a second token sees in the head's cache."""
-    i = torch.arange(n)
-    allowed = torch.cat([i[None, :] < i[:, None], torch.eye(n, dtype=torch.bool)], dim=1)
-    mask = torch.zeros(n, 2 * n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    i = torch.arange(n, device=device)
+    allowed = torch.cat([i[None, :] < i[:, None], torch.eye(n, dtype=torch.bool, device=device)], dim=1)
+    mask = torch.zeros(n, 2 * n, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
 
@@ -105,8 +105,9 @@ def head_passes(
         return pred, None
     b, n = pred.shape[:2]
     own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
-    mask = _second_step_mask(n, pred.dtype).expand(b, 1, n, 2 * n)
-    return pred, head(own, embeds, cache=cache, position_ids=torch.arange(n).expand(b, n), attention_mask=mask)
+    mask = _second_step_mask(n, pred.dtype, pred.device).expand(b, 1, n, 2 * n)
+    positions = torch.arange(n, device=pred.device).expand(b, n)
+    return pred, head(own, embeds, cache=cache, position_ids=positions, attention_mask=mask)
 
 
 def head_loss(
@@ -127,8 +128,8 @@ def head_loss(
     want, mask = feats[:, 1:], real[:, 1:] & real[:, :-1]
     loss, feature_loss, token_loss, agree = _pass_loss(pred[mask], want[mask], readout, cfg)
     metrics = {"feature": feature_loss.item(), "token": token_loss.item(), "top1": agree.float().mean().item()}
-    if pred2 is not None:
-        mask2 = mask & torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
+    mask2 = mask & torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
+    if pred2 is not None and mask2.any():  # sequences of three tokens or fewer have no second step
         loss2, _, _, agree2 = _pass_loss(pred2[mask2], want[mask2], readout, cfg)
         loss = loss + loss2
         first, second = torch.zeros_like(mask), torch.zeros_like(mask)
@@ -139,20 +140,31 @@ def head_loss(
     return loss, metrics
 
 
+def held_out_split(seqs: list[TokenFeatures]) -> tuple[list[TokenFeatures], list[TokenFeatures]]:
+    """(held out, trained on): the first ~2 % of the sequences are kept out of training."""
+    held = seqs[: len(seqs) // 50]
+    return held, seqs[len(held) :]
+
+
 @torch.no_grad()
 def held_out_metrics(head, embed, readout, seqs: list[TokenFeatures], cfg: TrainConfig) -> dict:
     """Losses and top-1 agreement with the target's next token on sequences kept out of training (no noise): from
     true features (`top1`, a draft's first token), from the head's own prediction of the previous feature
     (`top1_2`, a second token's step) and both in a row (`both`: a greedy draft's first two tokens accepted),
-    whatever the head was trained with."""
+    whatever the head was trained with; each averaged over the positions it counts."""
     quiet = TrainConfig(**{**asdict(cfg), "noise": 0.0, "unroll": 2})
-    totals, n = {}, 0
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for idx in length_batches([min(len(s.tokens), cfg.max_length) for s in seqs], cfg.batch_tokens):
-        _, metrics = head_loss(head, embed, readout, *_stack(seqs, idx, cfg.max_length), quiet)
+        tokens, feats, real = _stack(seqs, idx, cfg.max_length)
+        _, metrics = head_loss(head, embed, readout, tokens, feats, real, quiet)
+        first = real[:, 1:] & real[:, :-1]
+        second = int((first[:, 1:] & first[:, :-1]).sum())
         for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + value * len(idx)
-        n += len(idx)
-    return {"sequences": len(seqs), **{k: round(v / n, 4) for k, v in totals.items()}}
+            n = second if key in ("top1_2", "both") else int(first.sum())
+            totals[key] = totals.get(key, 0.0) + value * n
+            counts[key] = counts.get(key, 0) + n
+    return {"sequences": len(seqs), **{k: round(totals[k] / max(1, counts[k]), 4) for k in totals}}
 
 
 def train_head(
@@ -172,8 +184,7 @@ def train_head(
     progress(step, steps, metrics) is called after each step (after its checkpoint)."""
     torch.manual_seed(cfg.seed)
     model = target.model
-    held = seqs[: len(seqs) // 50]  # ~2 % kept out: the held-out check at the end
-    seqs = seqs[len(held) :]
+    held, seqs = held_out_split(seqs)
     vocab = draft_vocabulary(seqs, cfg.draft_vocab, target.vocab_size, target.eos_token_ids)
     head = EagleHead(head_config_for(model, len(vocab)), vocab)
     embed = model.get_input_embeddings().requires_grad_(False)  # the target's: gradients stop at the head
