@@ -1,7 +1,9 @@
-"""The shipped EAGLE head's draft step against the target's one-token forward, both on a ~200-token context of the
-target's own answer, with the head on each of its weights (`eagle:unquantized`, `eagle:int8`, and what `eagle`
-chooses here); medians of 15 (python experiments/eagle_step_time.py)."""
+"""An EAGLE head's draft step against the target's one-token forward, both on a ~200-token context of the target's
+own answer, with the head on each of its weights (`:unquantized`, `:int8`, and what `auto` chooses here); medians
+of 15. The shipped head on the embedded model by default:
+python experiments/eagle_step_time.py [--target SPEC --dtype D --head DIR]"""
 
+import argparse
 import time
 
 from metasd import Decoder
@@ -12,7 +14,13 @@ GREEDY = SamplingParams()
 
 
 def main() -> None:
-    decoder = Decoder()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--head", default="", help="a head directory (default: the one shipped for the target)")
+    args = parser.parse_args()
+    spec = f"eagle:{args.head}" if args.head else "eagle"
+    decoder = Decoder(target=args.target, dtype=args.dtype, drafters=[spec])
     lm = decoder._lm
     ids = decoder.encode("Explain how photosynthesis works in plants, step by step, for a high-school student.")
     context = ids + decoder.generate(ids, max_new_tokens=160, policy="none").token_ids
@@ -27,8 +35,8 @@ def main() -> None:
         target_step()
     t1 = sorted(target_step() for _ in range(15))[7]
     print(f"context {len(context)} tokens; T(1) {t1 * 1e3:.2f} ms")
-    for spec in ("eagle:unquantized", "eagle:int8", "eagle"):
-        head = build_drafter(spec, decoder.target)
+    for weights in ("unquantized", "int8", "auto"):
+        head = build_drafter(f"{spec}:{weights}", decoder.target)
         head.read_features_from(lm)
 
         def draft(head=head) -> float:
@@ -41,7 +49,7 @@ def main() -> None:
         for _ in range(3):
             draft()
         d5 = sorted(draft() for _ in range(15))[7]
-        print(f"{spec} ({head.weights}): 5-token draft {d5 * 1e3:.2f} ms = ", end="")
+        print(f"{weights} ({head.weights}): 5-token draft {d5 * 1e3:.2f} ms = ", end="")
         print(f"{d5 / 5 * 1e3:.2f} ms per token = {d5 / 5 / t1:.3f} T(1)")
 
 

@@ -8,11 +8,11 @@
 #    is flat), into specialists/eagle-qwen-coder/ (about 100 MB in float16: not shipped with the package).
 # Use: metasd bench --preset qwen-coder --drafters eagle:specialists/eagle-qwen-coder,ngram,suffix,lm:DRAFTER ...
 # Usage: bash scripts/train_qwen_head.sh   (from the repository root, in the project's venv; needs the pair from
-# scripts/qwen_coder_pair.sh or the hub; TOKENS=40000 TEXTS=40000 EPOCHS=2)
+# scripts/qwen_coder_pair.sh or the hub; TOKENS=40000 TEXTS=40000 EPOCHS=4)
 set -euo pipefail
 tokens=${TOKENS:-40000}
 texts=${TEXTS:-40000}
-epochs=${EPOCHS:-2}
+epochs=${EPOCHS:-4}
 target=${TARGET:-$HOME/.cache/metasd-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}
 [ -f specialists/prompts/chat.jsonl ] && [ -f specialists/prompts/code.jsonl ] && [ -f specialists/corpora/chat.jsonl ] ||
     python scripts/build_specialists.py --out specialists --domains chat,code --prompts 2500 --prompts-only
