@@ -73,11 +73,11 @@ def _stack(
 
 
 def _pass_loss(
-    pred: torch.Tensor, want: torch.Tensor, readout: torch.Tensor, cfg: TrainConfig
+    pred: torch.Tensor, want: torch.Tensor, target_p: torch.Tensor, readout: torch.Tensor, cfg: TrainConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, feature loss, token loss, per-row agreement of the argmax with the target's) for rows [N, d]."""
+    """(loss, feature loss, token loss, per-row agreement of the argmax with the target's) for predicted features
+    [N, d] against true ones [N, d] and the target's distributions over the draft vocabulary [N, Vd]."""
     feature_loss = torch.nn.functional.smooth_l1_loss(pred, want)
-    target_p = torch.softmax(want @ readout.T, dim=-1)
     logq = torch.log_softmax(pred @ readout.T, dim=-1)
     token_loss = -(target_p * logq).sum(-1).mean()
     agree = logq.argmax(-1) == target_p.argmax(-1)
@@ -125,12 +125,15 @@ def head_loss(
     if cfg.noise > 0:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * cfg.noise
     pred, pred2 = head_passes(head, inputs, embed(tokens[:, 1:]), cfg.unroll)
-    want, mask = feats[:, 1:], real[:, 1:] & real[:, :-1]
-    loss, feature_loss, token_loss, agree = _pass_loss(pred[mask], want[mask], readout, cfg)
+    mask = real[:, 1:] & real[:, :-1]
+    want = feats[:, 1:][mask]
+    target_p = torch.softmax(want @ readout.T, dim=-1)
+    loss, feature_loss, token_loss, agree = _pass_loss(pred[mask], want, target_p, readout, cfg)
     metrics = {"feature": feature_loss.item(), "token": token_loss.item(), "top1": agree.float().mean().item()}
     mask2 = mask & torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
     if pred2 is not None and mask2.any():  # sequences of three tokens or fewer have no second step
-        loss2, _, _, agree2 = _pass_loss(pred2[mask2], want[mask2], readout, cfg)
+        rows = mask2[mask]  # the second pass's rows among the first's: the same targets, computed once
+        loss2, _, _, agree2 = _pass_loss(pred2[mask2], want[rows], target_p[rows], readout, cfg)
         loss = loss + loss2
         first, second = torch.zeros_like(mask), torch.zeros_like(mask)
         first[mask], second[mask2] = agree, agree2
