@@ -7,13 +7,11 @@ like `CachedModel` does: entries built from the target's true features are kept 
 context, entries built from drafted (predicted) features are dropped before the next draft, so it cannot drift.
 It draws from q and sends q (zero outside the draft vocabulary), so sampled verification stays exact.
 
-A draft step multiplies one row by the head's weights and the draft vocabulary's readout (some 9 M weights): bound
-by memory bandwidth like the target's one-token forward, so the bytes read and their layout matter as much as the
-arithmetic. A draft step's linear layers and readout take whichever of torch's kernel, the weight-major layout
-(`metasd.models.linear_kernels`) and int8 weights (`metasd.models.int8_weights`, a quarter of float32's bytes) a
-one-row step measures faster on the machine at hand (`weights="auto"`); the catch-up, whose entries stay in the
-cache, always runs on the float weights. q is computed by the weights that drew the draft, so int8 changes which
-tokens are drafted, never what the target outputs or its distribution.
+A draft step (one row through the head and the draft vocabulary's readout) is bound by memory bandwidth, so it
+takes whichever of torch's kernel, the weight-major layout (`models/linear_kernels.py`) and int8 weights
+(`models/int8_weights.py`, a quarter of float32's bytes) a one-row step measures faster here (`weights="auto"`);
+the catch-up, whose entries stay in the cache, always runs on the float weights. q comes from the weights that
+drew the draft: int8 changes which tokens are drafted, never the target's output or its distribution.
 """
 
 from __future__ import annotations
