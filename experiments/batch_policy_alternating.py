@@ -5,14 +5,12 @@ that the machine's drift over minutes weighs on both alike.
 Usage: METASD_SPEC_BENCH=question.jsonl python experiments/batch_policy_alternating.py
 """
 
-from metasd.bench.load import Setting, run_load
-from metasd.bench.questions import GROUPS, load_questions, select_questions
+from metasd.bench.load import Setting, first_turns, run_load
+from metasd.bench.questions import load_questions
 from metasd.bench.spec_bench import spec_bench_questions
 from metasd.engine import Decoder
 
-questions = load_questions(spec_bench_questions())
-lanes = [[q.turns[0] for q in select_questions(questions, [g], 3)] for g in GROUPS]
-prompts = [lane[r] for r in range(3) for lane in lanes if r < len(lane)][:16]
+prompts = first_turns(load_questions(spec_bench_questions()), 16)
 for policy in ["metasd-adaptive", "none", "metasd-adaptive", "none"]:
     result = run_load(Decoder(policy=policy), Setting(policy, 16, policy), prompts, 8, 128)
     print(f"{policy:>16}: {result.throughput:.1f} tokens/s ({result.wall_s:.1f} s)", flush=True)

@@ -53,6 +53,15 @@ class LoadResult:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def first_turns(questions: Sequence, count: int) -> list[str]:
+    """`count` Spec-Bench first turns, the groups taking turns (so any prefix of them mixes every group)."""
+    from .questions import GROUPS, select_questions
+
+    per_group = -(-count // len(GROUPS))
+    lanes = [[q.turns[0] for q in select_questions(questions, [group], per_group)] for group in GROUPS]
+    return [lane[r] for r in range(per_group) for lane in lanes if r < len(lane)][:count]
+
+
 def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients: int, max_tokens: int) -> LoadResult:
     """One load: `clients` threads share the prompts (each prompt once) against a server over `decoder`."""
     app = create_app(decoder, max_queue=max(64, len(prompts)), max_batch=setting.max_batch)

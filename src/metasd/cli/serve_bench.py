@@ -30,15 +30,12 @@ def run(args: argparse.Namespace) -> None:
     loads = [int(c) for c in args.clients.split(",")]
     if not loads or min(loads) < 1 or args.max_batch < 1 or args.requests < 1 or args.max_new_tokens < 1:
         raise ValueError("--clients, --max-batch, --requests and --max-new-tokens must be >= 1")
-    from ..bench.load import Setting, run_loads, table
-    from ..bench.questions import GROUPS, load_questions, select_questions
+    from ..bench.load import Setting, first_turns, run_loads, table
+    from ..bench.questions import load_questions
     from ..bench.spec_bench import spec_bench_questions
 
     questions = load_questions(args.questions or spec_bench_questions())
-    count = max(args.requests, 2 * max(loads))
-    per_group = -(-count // len(GROUPS))
-    lanes = [[q.turns[0] for q in select_questions(questions, [group], per_group)] for group in GROUPS]
-    interleaved = [lane[r] for r in range(per_group) for lane in lanes if r < len(lane)]  # every group in turn
+    interleaved = first_turns(questions, max(args.requests, 2 * max(loads)))
     settings = [
         Setting("max-batch 1", 1, args.policy),
         Setting(f"max-batch {args.max_batch}", args.max_batch, args.policy),

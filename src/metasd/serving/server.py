@@ -448,10 +448,11 @@ class _Engine:
 
     def _left(self, job: _Job) -> bool:
         """Whether the client left while its job waited (then it is answered as aborted)."""
-        if job.cancel.is_set():
+        left = job.cancel.is_set()  # read once: the client may leave between two reads
+        if left:
             self.metrics.success.labels("abort").inc()
             job.emit("done", _Outcome("", "abort"))
-        return job.cancel.is_set()
+        return left
 
     def _join(self, job: _Job, gen: Generation) -> None:
         for drafter in self.decoder.drafters.values():  # the request's own history (--history-scope): its
