@@ -358,6 +358,34 @@ def test_full_queue_answers_429_and_a_disconnect_frees_the_engine(small):
     assert httpx.post(f"{small}/v1/completions", json=short, timeout=60).status_code == 200
 
 
+def test_a_request_being_checked_still_counts_as_waiting(embedded):
+    """The worker takes a queued request off the queue to check it (tokenize, size); while it does, the request
+    is still waiting, and a full queue must still answer 429."""
+    decoder = Decoder(drafters=POOL)
+    encode, entered, release = decoder.encode, threading.Event(), threading.Event()
+
+    def held_encode(prompt, raw):
+        if prompt == "hold":
+            entered.set()
+            assert release.wait(60)
+        return encode(prompt, raw)
+
+    decoder.encode = held_encode
+    short = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    with running(create_app(decoder, max_queue=1, max_batch=1)) as url, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, f"{url}/v1/completions", json={**short, "prompt": "hold"}, timeout=60)
+        assert entered.wait(30)
+        try:
+            assert httpx.get(f"{url}/health", timeout=5).json()["waiting"] == 1
+            r = httpx.post(f"{url}/v1/completions", json=short, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        finally:
+            release.set()
+        assert held.result(timeout=60).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=5).json()["waiting"] == 0
+        assert httpx.post(f"{url}/v1/completions", json=short, timeout=60).status_code == 200
+
+
 def test_a_full_batch_queues_then_answers_429_and_bad_input_still_gets_its_4xx(batched):
     long = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0, "stream": True}
     short = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}

@@ -327,6 +327,7 @@ class _Engine:
         self.max_queue = max_queue
         self.jobs: queue.Queue[_Job | None] = queue.Queue()  # arrived, not checked yet
         self.ready: deque[tuple[_Job, Generation]] = deque()  # checked, waiting for room in the batch
+        self._waiting = 0  # submitted, and neither in the batch nor answered (in `jobs`, being checked, or `ready`)
         self.active: dict[int, _Progress] = {}  # id(generation) -> its job's progress
         self._stopping = threading.Event()
         self._ended = False  # the worker left its loop (stopped, or died): nothing queued would ever run
@@ -345,25 +346,37 @@ class _Engine:
 
     @property
     def waiting(self) -> int:
-        return self.jobs.qsize() + len(self.ready)
+        """Counted, not read off the two queues: a job the worker is checking is in neither, and a request
+        arriving then must still find the queue full."""
+        return self._waiting
+
+    def _left_queue(self, count: int = 1) -> None:
+        """`count` waiting jobs joined the batch or were answered."""
+        with self._lock:
+            self._waiting -= count
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()
+        self._fail_waiting()
+        self.jobs.put_nowait(None)
+        self._thread.join(timeout=30)
+
+    def _fail_waiting(self) -> None:
+        """Answer every waiting job with 503: the worker will not run it."""
         while self.ready:
-            job, _ = self.ready.popleft()
-            job.emit("error", ApiError(503, "the server is shutting down", kind="server_error"))
+            self.ready.popleft()[0].emit("error", self._unavailable())
+            self._left_queue()
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.emit("error", ApiError(503, "the server is shutting down", kind="server_error"))
-        self.jobs.put_nowait(None)
-        self._thread.join(timeout=30)
+                job.emit("error", self._unavailable())
+                self._left_queue()
 
     def submit(self, job: _Job) -> None:
         with self._lock:
@@ -376,6 +389,7 @@ class _Engine:
                     code="queue_full",
                     kind="rate_limit_error",
                 )
+            self._waiting += 1
             self.jobs.put_nowait(job)
 
     def _unavailable(self) -> ApiError:
@@ -395,15 +409,7 @@ class _Engine:
                 self._ended = True
                 for progress in list(self.active.values()):  # a stream gets the error as its last event
                     progress.job.emit("error", self._unavailable())
-                while self.ready:
-                    self.ready.popleft()[0].emit("error", self._unavailable())
-                while True:
-                    try:
-                        waiting = self.jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if waiting is not None:
-                        waiting.emit("error", self._unavailable())
+            self._fail_waiting()  # after `_ended` is set under the lock: nothing can be queued behind this drain
 
     def _admit(self) -> bool:
         """Check every queued job now (bad input is answered whatever the batch's load), then move checked jobs
@@ -413,18 +419,13 @@ class _Engine:
                 job = self.jobs.get(block=not self.batch and not self.ready)
             except queue.Empty:
                 break
-            if job is None or self._stopping.is_set():
+            if job is None:
                 return False
-            try:
-                self._check(job)
-            except Exception as err:  # a bug fails its request, never the worker
-                log.exception("request failed")
-                job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
-            except BaseException:
-                job.emit("error", self._unavailable())
-                raise
+            if not self._check(job):
+                self._left_queue()
         while self.ready and not self.batch.full:
             job, gen = self.ready.popleft()
+            self._left_queue()
             if self._left(job):
                 continue
             try:
@@ -437,14 +438,25 @@ class _Engine:
                 raise
         return not self._stopping.is_set()
 
-    def _check(self, job: _Job) -> None:
-        """A queued job becomes a request ready to join (or gets its 4xx, or its abort)."""
+    def _check(self, job: _Job) -> bool:
+        """A queued job becomes a request ready to join (True), or is answered now (False): its abort, its 4xx,
+        a 503 once the server stops, a 500 for a bug (which fails its request, never the worker)."""
         if self._left(job):
-            return
+            return False
         try:
+            if self._stopping.is_set():
+                raise self._unavailable()
             self.ready.append((job, self._start(job)))
+            return True
         except ApiError as err:
             job.emit("error", err)
+        except Exception as err:
+            log.exception("request failed")
+            job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
+        except BaseException:
+            job.emit("error", self._unavailable())
+            raise
+        return False
 
     def _left(self, job: _Job) -> bool:
         """Whether the client left while its job waited (then it is answered as aborted)."""
