@@ -386,6 +386,47 @@ def test_a_request_being_checked_still_counts_as_waiting(embedded):
         assert httpx.post(f"{url}/v1/completions", json=short, timeout=60).status_code == 200
 
 
+def test_a_client_leaving_the_queue_gives_its_place_back_at_once(small):
+    long = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0, "stream": True}
+    short = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=small, timeout=60) as a, a.stream("POST", "/v1/completions", json=long) as streaming:
+        lines = streaming.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # decoding has started, the batch is full
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the stream, then hangs up
+            httpx.post(f"{small}/v1/completions", json=short, timeout=2)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{small}/health", timeout=5).json()["waiting"]:  # while the stream still decodes
+            assert time.monotonic() < deadline, "a client that left still holds its place in the queue"
+            time.sleep(0.05)
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(httpx.post, f"{small}/v1/completions", json=short, timeout=60)
+            while httpx.get(f"{small}/health", timeout=5).json()["waiting"] < 1:  # queued, not refused with 429
+                assert not queued.done(), queued.result().text
+                time.sleep(0.05)
+            streaming.close()  # the stream hangs up: the queued request decodes
+            assert queued.result(timeout=60).status_code == 200
+
+
+def test_a_bug_finishing_one_request_fails_it_alone(embedded):
+    decoder = Decoder(drafters=POOL)
+    decode, broken = decoder.decode, threading.Event()
+
+    def decode_or_fail(ids):
+        if broken.is_set():
+            raise RuntimeError("detokenizing failed")
+        return decode(ids)
+
+    decoder.decode = decode_or_fail
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    with running(create_app(decoder, max_queue=4)) as url:
+        broken.set()
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "detokenizing failed" in r.json()["error"]["message"], r.text
+        broken.clear()
+        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
 def test_a_full_batch_queues_then_answers_429_and_bad_input_still_gets_its_4xx(batched):
     long = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0, "stream": True}
     short = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}

@@ -338,7 +338,8 @@ class _Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """False from the moment the worker starts failing its jobs on the way out, not only once it has exited."""
+        return not self._ended and self._thread.is_alive()
 
     @property
     def running(self) -> int:
@@ -359,16 +360,15 @@ class _Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Queued jobs get their 503 now; the worker aborts what decodes and answers the rest on its way out."""
         self._stopping.set()
-        self._fail_waiting()
+        self._fail_queued()
         self.jobs.put_nowait(None)
         self._thread.join(timeout=30)
 
-    def _fail_waiting(self) -> None:
-        """Answer every waiting job with 503: the worker will not run it."""
-        while self.ready:
-            self.ready.popleft()[0].emit("error", self._unavailable())
-            self._left_queue()
+    def _fail_queued(self) -> None:
+        """Answer every job still in `jobs` with 503 (a thread-safe queue: the event loop's thread may drain it;
+        `ready` is the worker's own)."""
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -409,7 +409,10 @@ class _Engine:
                 self._ended = True
                 for progress in list(self.active.values()):  # a stream gets the error as its last event
                     progress.job.emit("error", self._unavailable())
-            self._fail_waiting()  # after `_ended` is set under the lock: nothing can be queued behind this drain
+            while self.ready:
+                self.ready.popleft()[0].emit("error", self._unavailable())
+                self._left_queue()
+            self._fail_queued()  # after `_ended` is set under the lock: nothing can be queued behind this drain
 
     def _admit(self) -> bool:
         """Check every queued job now (bad input is answered whatever the batch's load), then move checked jobs
@@ -423,20 +426,28 @@ class _Engine:
                 return False
             if not self._check(job):
                 self._left_queue()
+        if self._stopping.is_set():  # what is ready gets its 503 on the way out, not a prefill
+            return False
+        still = deque()  # a client that left gives its place back now, not once the batch has room
+        for job, gen in self.ready:
+            if self._left(job):
+                self._left_queue()
+            else:
+                still.append((job, gen))
+        self.ready = still
         while self.ready and not self.batch.full:
             job, gen = self.ready.popleft()
             self._left_queue()
-            if self._left(job):
-                continue
             try:
                 self._join(job, gen)
             except Exception as err:
                 log.exception("request failed")
+                self.batch.leave(gen)
                 job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
             except BaseException:  # the worker dies: this job is in no queue the last drain sees
                 job.emit("error", self._unavailable())
                 raise
-        return not self._stopping.is_set()
+        return True
 
     def _check(self, job: _Job) -> bool:
         """A queued job becomes a request ready to join (True), or is answered now (False): its abort, its 4xx,
@@ -455,6 +466,7 @@ class _Engine:
             job.emit("error", ApiError(500, f"internal error: {err}", kind="server_error"))
         except BaseException:
             job.emit("error", self._unavailable())
+            self._left_queue()
             raise
         return False
 
@@ -470,8 +482,9 @@ class _Engine:
         for drafter in self.decoder.drafters.values():  # the request's own history (--history-scope): its
             if hasattr(drafter, "use_history"):  # copy in the batch keeps the one chosen now
                 drafter.use_history(job.history)
+        progress = _Progress(job, gen, self.decoder.decode)
         self.batch.join(gen)
-        self.active[id(gen)] = _Progress(job, gen, self.decoder.decode)
+        self.active[id(gen)] = progress
         if job.stream:
             job.emit("start")
 
@@ -489,7 +502,13 @@ class _Engine:
         self.metrics.batch_accepted.labels(str(size)).inc(accepted)
         for gen, _ in out:
             progress = self.active[id(gen)]
-            if progress.update() or gen.done:
+            try:
+                ended = progress.update() or gen.done
+            except Exception as err:  # one request's bug (its detokenizing, say) fails that request alone
+                log.exception("request failed")
+                self._end(progress, error=ApiError(500, f"internal error: {err}", kind="server_error"))
+                continue
+            if ended:
                 self._end(progress)
         for progress in list(self.active.values()):
             if progress.job.cancel.is_set() or self._stopping.is_set():
@@ -497,16 +516,21 @@ class _Engine:
                 self._end(progress)
 
     def _end(self, progress: _Progress, error: ApiError | None = None) -> None:
-        """The request leaves the batch (if it has not already) and its client gets the outcome or the error."""
+        """The request leaves the batch (if it has not already) and its client gets the outcome or the error,
+        whatever fails on the way (a bug there is that request's 500, never a client left waiting)."""
         gen = progress.gen
         del self.active[id(gen)]
-        self.batch.leave(gen)  # the drafters see the request's end before its row is reused
-        if error is not None:
-            progress.job.emit("error", error)
-            return
-        outcome = progress.outcome(self._report(gen))
-        self.metrics.record(gen.stats, outcome.finish_reason, time.perf_counter() - progress.job.arrived)
-        progress.job.emit("done", outcome)
+        try:
+            self.batch.leave(gen)  # the drafters see the request's end before its row is reused
+            if error is None:
+                outcome = progress.outcome(self._report(gen))
+                self.metrics.record(gen.stats, outcome.finish_reason, time.perf_counter() - progress.job.arrived)
+                progress.job.emit("done", outcome)
+                return
+        except Exception as err:
+            log.exception("ending a request failed")
+            error = ApiError(500, f"internal error: {err}", kind="server_error")
+        progress.job.emit("error", error)
 
     def _start(self, job: _Job) -> Generation:
         """Everything that can reject a request, before any decoding: raises ApiError."""
@@ -722,8 +746,8 @@ def create_app(
             history=request.state.history,
         )
         engine.submit(job)
-        reply = _Reply(job, model_name, chat)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        reply = _Reply(job, model_name, chat, watcher)
         handed_over = False
         try:
             kind, payload = await job.events.get()
@@ -738,8 +762,8 @@ def create_app(
                 )
             return JSONResponse(reply.whole(payload))
         finally:
-            watcher.cancel()
-            if not handed_over:
+            if not handed_over:  # a stream's watcher lives until `_Reply.sse` ends, even if it never starts
+                watcher.cancel()
                 job.cancel.set()
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
@@ -809,8 +833,9 @@ def _check_prompt_size(prompt: Any, chat: bool, max_chars: int, context: int) ->
 
 
 async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
-    """Until the answer starts (queued, or a non-streaming decode): a client that hangs up cancels its job.
-    Once streaming, StreamingResponse listens for the disconnect itself and closes `_Reply.sse`."""
+    """Until the answer is over (queued, decoding, streaming): a client that hangs up cancels its job. While
+    streaming, StreamingResponse may also close `_Reply.sse`, but not if the client left before the stream's first
+    step, when the generator's `finally` never runs."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
     job.cancel.set()
@@ -819,8 +844,8 @@ async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
 class _Reply:
     """OpenAI response and chunk bodies for one job, for /v1/completions or /v1/chat/completions."""
 
-    def __init__(self, job: _Job, model: str, chat: bool):
-        self.job, self.model, self.chat = job, model, chat
+    def __init__(self, job: _Job, model: str, chat: bool, watcher: asyncio.Task):
+        self.job, self.model, self.chat, self.watcher = job, model, chat, watcher
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -878,6 +903,7 @@ class _Reply:
             yield "data: [DONE]\n\n"
         finally:  # reached too when the client disconnects and the stream is cancelled
             self.job.cancel.set()
+            self.watcher.cancel()
 
 
 def _json(body: dict) -> str:
