@@ -322,11 +322,11 @@ def test_the_adaptive_stop_rule_cutting_before_and_after_tokens_keeps_the_distri
     assert stat < chi2_bound(df), (stat, df)
 
 
-@pytest.mark.parametrize("weights", ["unquantized", "int8"])
-def test_sampled_output_with_an_eagle_head_follows_the_targets_distribution(pair, tmp_path, weights):
-    """An EAGLE head (its draft steps on float or int8 weights) drafts the second token (the first round has no
-    target features yet) from a draft vocabulary that lacks the target's likeliest second tokens: q is 0 there, and
-    the rule must still give them their probability."""
+@pytest.mark.parametrize(("weights", "layers"), [("unquantized", ()), ("int8", ()), ("auto", (0,))])
+def test_sampled_output_with_an_eagle_head_follows_the_targets_distribution(pair, tmp_path, weights, layers):
+    """An EAGLE head (its draft steps on float or int8 weights; reading fused features or the final norm's alone)
+    drafts the second token (the first round has no target features yet) from a draft vocabulary that lacks the
+    target's likeliest second tokens: q is 0 there, and the rule must still give them their probability."""
     target, target_dir, _ = pair
     expected = exact_pairs(target)
     seconds = Counter()
@@ -334,7 +334,7 @@ def test_sampled_output_with_an_eagle_head_follows_the_targets_distribution(pair
         seconds[x2] += p
     left_out = {x for x, _ in seconds.most_common(2)}
     vocab = torch.tensor(sorted({x for cell in expected for x in cell} - left_out))
-    head = EagleHead(head_config_for(target, len(vocab)), vocab)
+    head = EagleHead(head_config_for(target, len(vocab), layers), vocab)
     save_head(tmp_path, head, "tiny", TargetCheck.of(target), {})
     spec = f"eagle:{tmp_path}:{weights}"
     decoder = Decoder(target=target_dir, drafters=[spec], policy=f"fixed:{spec}", draft_len=3)

@@ -97,10 +97,13 @@ def test_after_a_tree_round_the_cache_holds_exactly_the_accepted_context(model, 
     torch.testing.assert_close(lm.features_for(after), fresh.features_for(after), atol=1e-5, rtol=1e-5)
 
 
-def test_features_read_after_a_tree_round_are_the_accepted_paths(model):
-    """An EAGLE head reads the target's features of the new context before the target's next forward."""
+@pytest.mark.parametrize("layers", [(), (0,)])
+def test_features_read_after_a_tree_round_are_the_accepted_paths(model, layers):
+    """An EAGLE head reads the target's features (fused from a lower layer's too, or not) of the new context before
+    the target's next forward."""
     context, tree = [1, 5, 7, 9, 11, 2], _tree()
-    lm, fresh = CachedModel(model, keep_features=True), CachedModel(model, keep_features=True)
+    lm = CachedModel(model, keep_features=True, feature_layers=layers)
+    fresh = CachedModel(model, keep_features=True, feature_layers=layers)
     lm.logits_for_tree(context, tree)
     fresh.logits_for(context + [12, 13])
     torch.testing.assert_close(lm.features_for(context + [12, 13, 30]), fresh.features_for(context + [12, 13]))

@@ -11,6 +11,9 @@ so after a tree round, too, the cache holds exactly the context.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -37,18 +40,64 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-class CachedModel:
-    """keep_features: also keep the model's final-norm output (what its LM head reads) for every cached position,
-    cropped with the cache, for drafters that read the target's features (EAGLE heads): `features_for`."""
+def feature_layers_read_by(drafters) -> tuple[int, ...]:
+    """The decoder layers, beyond the final norm, whose outputs some drafter of `drafters` reads (EAGLE heads with
+    fused features), sorted: what a target cache keeps for all of them."""
+    return tuple(sorted({layer for d in drafters for layer in getattr(d, "feature_layers", ())}))
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, keep_features: bool = False):
+
+@contextmanager
+def feature_tap(model: torch.nn.Module, layers: Sequence[int] = ()) -> Iterator[Callable[[], torch.Tensor]]:
+    """During a forward of `model`: a function returning the outputs of the decoder `layers`, then of the final
+    norm (what the LM head reads), concatenated on the last axis, [..., d * (len(layers) + 1)]: the target's
+    features an EAGLE head reads (EAGLE-3, arXiv 2503.01840, fuses a low, a middle and a high layer). Hooked for
+    this forward only: the weights may be shared with other caches (`lm:`)."""
+    decoder = model.get_decoder()
+    count = len(decoder.layers)
+    if any(not 0 <= layer < count for layer in layers):
+        raise ValueError(f"feature layers {list(layers)} out of range: this model has decoder layers 0..{count - 1}")
+    captured: dict = {}
+
+    def keep(key):
+        def hook(module, args, out):
+            captured[key] = out[0] if isinstance(out, tuple) else out
+
+        return hook
+
+    def features() -> torch.Tensor:
+        if not layers:
+            return captured["norm"]
+        return torch.cat([captured[i] for i in layers] + [captured["norm"]], dim=-1)
+
+    hooks = [decoder.layers[i].register_forward_hook(keep(i)) for i in layers]
+    hooks.append(decoder.norm.register_forward_hook(keep("norm")))
+    try:
+        yield features
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+class CachedModel:
+    """keep_features: also keep the model's features (`feature_tap`: the outputs of `feature_layers`, then of the
+    final norm) for every cached position, cropped with the cache, for drafters that read them (EAGLE heads):
+    `features_for`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vocab_size: int | None = None,
+        keep_features: bool = False,
+        feature_layers: Sequence[int] = (),
+    ):
         self.model = model
         self.vocab_size = vocab_size  # pad/trim logits to the target's vocabulary when the heads differ in size
         self.tokens: list[int] = []
         self.cache = DynamicCache(config=model.config)
         self.fed_tokens = 0  # tokens run through the model since the last reset (prefill + catch-up + drafts)
         self.keep_features = keep_features
-        self.features: torch.Tensor | None = None  # [capacity, d]; rows [0, len(tokens)) are valid
+        self.feature_layers = tuple(feature_layers)
+        self.features: torch.Tensor | None = None  # [capacity, d * (len(feature_layers) + 1)]; rows of `tokens`
         self._tree: DraftTree | None = None  # a verified tree whose nodes' entries follow `tokens` in the cache
         # The forward runs where the weights are (CPU, CUDA, MPS); its [last, V] logits come back to the CPU. The
         # acceptance rule, rewards and sampling then see only small CPU tensors and one CPU generator, so a seed
@@ -56,7 +105,7 @@ class CachedModel:
         self.device = next(model.parameters()).device
 
     def features_for(self, tokens: list[int]) -> torch.Tensor:
-        """The features [n, d] of the longest prefix of `tokens` this model has computed (on the model's device)."""
+        """The features [n, D] of the longest prefix of `tokens` this model has computed (on the model's device)."""
         if self.features is None:
             return torch.empty(0, 0)
         self._settle(tokens)
@@ -136,19 +185,13 @@ class CachedModel:
         self.tokens = self.tokens + tree.path_tokens(path)
 
     def _forward(self, ids: torch.Tensor, keep: int, last: int, **kwargs):
-        """The model's forward over `ids` after `keep` cached tokens; with keep_features, the final norm's output
-        for them is kept in `features[keep:]`."""
-        captured, hook = [], None
-        if self.keep_features:  # hooked for this forward only: the weights may be shared with other caches (lm:)
-            hook = self.model.get_decoder().norm.register_forward_hook(lambda m, a, out: captured.append(out))
-        try:
-            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last, **kwargs)
-        finally:
-            if hook is not None:
-                hook.remove()
+        """The model's forward over `ids` after `keep` cached tokens; with keep_features, their features are kept
+        in `features[keep:]`."""
         if not self.keep_features:
-            return out
-        new = captured[-1][0]
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last, **kwargs)
+        with feature_tap(self.model, self.feature_layers) as tapped:
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=last, **kwargs)
+            new = tapped()[0]
         end = keep + new.shape[0]
         if self.features is None or self.features.shape[0] < end:
             grown = torch.empty(max(2 * end, 256), new.shape[-1], dtype=new.dtype, device=new.device)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cached_model import CachedModel, common_prefix
+from .cached_model import CachedModel, common_prefix, feature_layers_read_by
 from .costs import CostModel, TargetCost, load_or_calibrate
 from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, default_pool, parse_drafters
 from .drafters.base import StoppableDrafter
@@ -114,7 +114,9 @@ class Decoder:
         self.seed = seed
         self.default_policy = policy
         readers = [d for d in self.drafters.values() if getattr(d, "reads_target_features", False)]
-        self._lm = CachedModel(self.target.model, keep_features=bool(readers))  # EAGLE heads read its features
+        self._lm = CachedModel(  # EAGLE heads read its features
+            self.target.model, keep_features=bool(readers), feature_layers=feature_layers_read_by(readers)
+        )
         for drafter in readers:
             drafter.read_features_from(self._lm)
         self._policies: OrderedDict[tuple[str, tuple[str, ...]], Policy | None] = OrderedDict()

@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from helpers import chi2, chi2_bound
 from test_sampling_distribution import DRAWS, PARAMS, PROMPT, _decoder, exact_pairs
 
@@ -14,6 +15,7 @@ from metasd import Decoder
 from metasd.batching.batch import Batch
 from metasd.batching.decision import Plan, decide
 from metasd.engine import Generation
+from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
 from metasd.policy.adaptive import AdaptivePolicy, Option
 
 PROMPTS = [
@@ -73,6 +75,27 @@ def test_joining_and_leaving_leaves_every_other_output_as_it_is_alone(decoder, a
     if flat:
         assert drafted > 0  # rows drafted (the EAGLE head among them) and were verified together
     assert batch.target.active == 0 and not batch.requests
+
+
+def test_rows_keep_the_fused_features_a_head_reads_and_outputs_stay_as_alone(embedded, tmp_path):
+    """A head fusing two decoder layers' outputs with the final norm's (EAGLE-3) drafts for every row of a batch
+    from the features the batched forward keeps per row; each output is what it is alone."""
+    torch.manual_seed(0)
+    head = EagleHead(head_config_for(embedded.model, 8192, (1, 14)), torch.arange(8192))  # untrained
+    save_head(tmp_path, head, "test", TargetCheck.of(embedded.model), {})
+    spec = f"eagle:{tmp_path}"
+    decoder = Decoder(drafters=[spec, "eagle"], policy=f"fixed:{spec}")
+    alone = {p: decoder.generate(p, max_new_tokens=16).token_ids for p in PROMPTS[:3]}
+    batch = Batch(decoder, max_batch=3)
+    _flat(batch)
+    assert batch.target.feature_layers == (1, 14)
+    requests = [decoder.stream(p, max_new_tokens=16) for p in PROMPTS[:3]]
+    for request in requests:
+        batch.join(request)
+    while len(batch):
+        batch.step()
+    assert [r.token_ids for r in requests] == [alone[p] for p in PROMPTS[:3]]
+    assert sum(n for size, n in batch.stats.drafted.items() if size > 1) > 0
 
 
 def test_a_batch_that_cannot_gain_from_drafting_skips_the_proposals(decoder, alone, monkeypatch):

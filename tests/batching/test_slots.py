@@ -36,8 +36,10 @@ def _rounds():
     return contexts, trees
 
 
-def test_every_rows_logits_equal_a_lone_forward(model):
-    batch = BatchedTarget(model, rows=4, keep_features=True, capacity=8)  # grows while it goes
+@pytest.mark.parametrize("layers", [(), (0,)])
+def test_every_rows_logits_equal_a_lone_forward(model, layers):
+    """Each row's logits and its features (the final norm's, after a lower layer's where a fused head reads it)."""
+    batch = BatchedTarget(model, rows=4, keep_features=True, capacity=8, feature_layers=layers)  # grows as it goes
     rows = [batch.add_row() for _ in range(3)]
     contexts, trees = _rounds()
     for row, context in zip(rows, contexts, strict=True):
@@ -52,7 +54,7 @@ def test_every_rows_logits_equal_a_lone_forward(model):
     logits = batch.forward(list(zip(rows, after, nxt, strict=True)))
     for got, row, context, tree in zip(logits, rows, after, nxt, strict=True):
         torch.testing.assert_close(got, _alone(model, context, tree), atol=1e-5, rtol=1e-5)
-        fresh = CachedModel(model, keep_features=True)
+        fresh = CachedModel(model, keep_features=True, feature_layers=layers)
         fresh.logits_for(context)
         torch.testing.assert_close(row.features_for(context), fresh.features_for(context), atol=1e-5, rtol=1e-5)
 

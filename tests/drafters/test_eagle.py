@@ -16,11 +16,12 @@ from metasd.sampling import SamplingParams
 GREEDY = SamplingParams()
 
 
-def make_head(model, path, vocab: torch.Tensor | None = None, seed: int = 0) -> EagleHead:
-    """An untrained head for `model`, saved at `path` (random weights: it drafts, mostly wrongly)."""
+def make_head(model, path, vocab: torch.Tensor | None = None, seed: int = 0, layers: tuple = ()) -> EagleHead:
+    """An untrained head for `model` (reading the outputs of decoder `layers` beside the final norm's), saved at
+    `path` (random weights: it drafts, mostly wrongly)."""
     torch.manual_seed(seed)
     vocab = torch.arange(model.config.vocab_size) if vocab is None else vocab
-    head = EagleHead(head_config_for(model, len(vocab)), vocab)
+    head = EagleHead(head_config_for(model, len(vocab), layers), vocab)
     save_head(path, head, "test", TargetCheck.of(model), {})
     return head
 
@@ -36,13 +37,27 @@ def test_the_target_cache_keeps_the_features_of_exactly_its_tokens():
     assert lm.features_for([1, 2, 4]).shape[0] == 2  # only the common prefix
 
 
-@pytest.mark.parametrize("weights", ["unquantized", "int8"])
-def test_the_heads_cache_cannot_drift(tmp_path, weights):
+def test_fused_features_are_the_layers_outputs_then_the_final_norms():
+    model = tiny_llama(64, layers=3)
+    lm = CachedModel(model, keep_features=True, feature_layers=(0, 1))
+    lm.logits_for([1, 2, 3, 4, 5, 6])
+    lm.logits_for([1, 2, 3, 9, 8], last=2)
+    with torch.no_grad():
+        out = model.model(input_ids=torch.tensor([[1, 2, 3, 9, 8]]), output_hidden_states=True)
+    want = torch.cat([out.hidden_states[1][0], out.hidden_states[2][0], out.last_hidden_state[0]], dim=-1)
+    assert torch.allclose(lm.features_for([1, 2, 3, 9, 8]), want, atol=1e-5)
+    with pytest.raises(ValueError, match="out of range"):
+        CachedModel(model, keep_features=True, feature_layers=(3,)).logits_for([1, 2])
+
+
+@pytest.mark.parametrize(("weights", "layers"), [("unquantized", ()), ("int8", ()), ("auto", (0,))])
+def test_the_heads_cache_cannot_drift(tmp_path, weights, layers):
     """After drafts, rejections and rounds it sat out, the head drafts what a fresh head drafts from the same
-    context: its q rows are the same, whichever weights its draft steps run on."""
-    model = tiny_llama(64, layers=1)
-    head = make_head(model, tmp_path)
-    lm = CachedModel(model, keep_features=True)
+    context: its q rows are the same, whichever weights its draft steps run on and whichever features it fuses
+    (here a cache keeping more layers than the head reads)."""
+    model = tiny_llama(64, layers=2)
+    head = make_head(model, tmp_path, layers=layers)
+    lm = CachedModel(model, keep_features=True, feature_layers=(0, 1))
     drafter = EagleDrafter(head, model, "eagle", 64, weights=weights)
     drafter.read_features_from(lm)
     context = [5, 6, 7, 8]
@@ -59,6 +74,45 @@ def test_the_heads_cache_cannot_drift(tmp_path, weights):
     theirs = fresh.propose(context, 3, GREEDY, None)
     assert mine.tokens == theirs.tokens
     assert torch.allclose(mine.q, theirs.q, atol=1e-5)
+
+
+def test_an_untrained_fusion_reads_the_final_norms_output_alone(tmp_path):
+    model = tiny_llama(64, layers=2)
+    fused = make_head(model, tmp_path, layers=(0,))
+    features = torch.randn(3, 5, 2 * 16) * 100
+    assert torch.equal(fused.fuse(features), features[..., 16:])
+
+
+def test_each_head_reads_its_own_columns_of_a_cache_keeping_more_layers(tmp_path):
+    """A head's q is the same from a cache keeping exactly its layers and from one keeping more (the pool's
+    union): it picks its own blocks, in order, whatever else the cache holds."""
+    model = tiny_llama(64, layers=3)
+    context = [5, 6, 7, 8, 9]
+    for layers in ((), (1,), (0, 2)):
+        head = make_head(model, tmp_path / str(layers), layers=layers)
+        if head.reduce is not None:
+            torch.nn.init.normal_(head.reduce.weight)  # every block counts, not the final norm's alone
+        drafts = []
+        for kept in (layers, (0, 1, 2)):
+            lm = CachedModel(model, keep_features=True, feature_layers=kept)
+            drafter = EagleDrafter(head, model, "eagle", 64, weights="unquantized")
+            drafter.read_features_from(lm)
+            lm.logits_for(context)
+            drafts.append(drafter.propose(context, 3, GREEDY, None))
+        assert drafts[0].tokens == drafts[1].tokens
+        assert torch.allclose(drafts[0].q, drafts[1].q, atol=1e-6)
+
+
+def test_a_fused_head_needs_its_layers_in_the_target_and_in_its_cache(tmp_path):
+    model = tiny_llama(64, layers=2)
+    fused = make_head(model, tmp_path, layers=(1,))
+    drafter = EagleDrafter(fused, model, "eagle", 64)
+    with pytest.raises(ValueError, match=r"decoder layers \[1\]"):
+        drafter.read_features_from(CachedModel(model, keep_features=True))  # keeps only the final norm's
+    shallow = tiny_llama(64, layers=1)
+    make_head(shallow, tmp_path / "shallow")
+    with pytest.raises(ValueError, match=r"reads decoder layers \[1\]"):
+        EagleDrafter(fused, shallow, "eagle", 64)
 
 
 def test_no_draft_before_the_target_has_seen_the_context(tmp_path):
@@ -145,6 +199,19 @@ def test_the_head_drafts_on_the_weights_asked_for_and_output_stays_the_targets(e
     result = decoder.generate(ids, max_new_tokens=24)
     assert result.token_ids == greedy_reference(embedded.model, ids, 24)
     assert result.stats.drafters()[spec].drafted > 0
+
+
+def test_a_fused_head_and_a_plain_one_read_one_cache_and_output_stays_the_targets(embedded, head_dir, tmp_path):
+    """The target cache keeps the union of the pool's feature layers; each head reads its own columns."""
+    make_head(embedded.model, tmp_path, torch.arange(8192), layers=(1, 14))
+    fused, plain = f"eagle:{tmp_path}", f"eagle:{head_dir}"
+    decoder = Decoder(drafters=[fused, plain])
+    assert decoder._lm.feature_layers == (1, 14)
+    ids = decoder.encode("Name two rivers in Europe.")
+    for spec in (fused, plain):
+        result = decoder.generate(ids, max_new_tokens=24, policy=f"fixed:{spec}")
+        assert result.token_ids == greedy_reference(embedded.model, ids, 24)
+        assert result.stats.drafters()[spec].drafted > 0
 
 
 def test_an_unknown_weights_word_is_read_as_part_of_the_path(embedded, head_dir):

@@ -11,7 +11,13 @@ from transformers import DynamicCache
 from metasd import Decoder
 from metasd.cli import main
 from metasd.models.eagle_head import EagleHead, head_config_for, load_head
-from metasd.specialists.eagle_corpus import encode_documents, encode_prompts, read_corpus, write_corpus
+from metasd.specialists.eagle_corpus import (
+    encode_documents,
+    encode_prompts,
+    read_corpus,
+    refeature_corpus,
+    write_corpus,
+)
 from metasd.specialists.eagle_train import TrainConfig, head_passes, train_head
 
 PROMPTS = ["Name a colour.", "Count to three.", "Say hello.", "What is two plus two?", "Write one word."]
@@ -87,6 +93,8 @@ def test_a_head_trains_on_the_union_of_corpora_written_before(tiny_target, promp
     assert "no corpus shards" in capsys.readouterr().err
     assert main(args) == 2
     assert "nothing to train on" in capsys.readouterr().err
+    assert main([*args, "--corpus", str(tmp_path / "a"), "--feature-layers", "auto"]) == 2  # without --unroll 2
+    assert "--feature-layers needs --unroll 2" in capsys.readouterr().err
 
 
 def test_the_corpus_holds_the_targets_greedy_answers_and_features(tiny_target, tmp_path):
@@ -121,6 +129,9 @@ def test_training_resumes_from_its_checkpoint_where_it_stopped(tiny_target, tmp_
     checkpoint = tmp_path / "checkpoint.pt"
     with pytest.raises(KeyboardInterrupt):
         train_head(target, seqs, tmp_path / "resumed", cfg, checkpoint=checkpoint, save_every=1, progress=interrupt)
+    state = torch.load(checkpoint, weights_only=False)
+    del state["config"]["feature_layers"]  # as written before fused features: read with the setting's default
+    torch.save(state, checkpoint)
     steps = []
     train_head(target, seqs, tmp_path / "resumed", cfg, checkpoint=checkpoint, progress=lambda s, n, m: steps.append(s))
     assert steps[0] == 4
@@ -140,19 +151,86 @@ def test_documents_are_read_whole_in_one_prefill(tiny_target, texts_file, tmp_pa
     assert encode_documents(target.tokenizer, [texts_file], 7) == [doc[:7]]
 
 
-def test_the_unrolled_pass_computes_what_a_second_draft_step_computes():
+@pytest.mark.parametrize("layers", [(), (0,)])
+def test_the_unrolled_pass_computes_what_a_second_draft_step_computes(layers):
     """Training-time test: the second pass's entry i, fed the head's own prediction of f_i, equals the drafting
     step that follows a catch-up over the true entries before i (the head's cache as `EagleDrafter` builds it)."""
     torch.manual_seed(0)
     model = tiny_llama(64, layers=1)
-    head = EagleHead(head_config_for(model, 64), torch.arange(64)).eval()
-    feats, embeds = torch.randn(1, 9, model.config.hidden_size), torch.randn(1, 9, model.config.hidden_size)
+    head = EagleHead(head_config_for(model, 64, layers), torch.arange(64)).eval()
+    d = model.config.hidden_size
+    feats, embeds = torch.randn(1, 9, d * (len(layers) + 1)), torch.randn(1, 9, d)
     with torch.no_grad():
         pred, pred2 = head_passes(head, feats, embeds, unroll=2)
         for i in (1, 4, 8):
             cache = DynamicCache(config=head.body.config)
-            caught_up = head(feats[:, :i], embeds[:, :i], cache=cache)  # entries 0 .. i - 1 from true features
+            caught_up = head(head.fuse(feats[:, :i]), embeds[:, :i], cache=cache)  # entries 0 .. i - 1, true features
             assert torch.allclose(caught_up[:, -1], pred[:, i - 1], atol=1e-5)
             step = head(caught_up[:, -1:], embeds[:, i : i + 1], cache=cache)  # entry i from its own prediction
             assert torch.allclose(step[:, 0], pred2[:, i], atol=1e-5)
     assert head_passes(head, feats, embeds, unroll=1)[1] is None
+
+
+def test_a_fused_corpus_trains_a_fused_head_and_a_plain_one_on_the_same_data(tiny_target, tmp_path):
+    """EAGLE-3's fused features: the corpus holds layer 0's output then the final norm's; a head reading both and
+    one reading the final norm's alone train on it; both draft losslessly; mismatches are clear errors."""
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    corpus = tmp_path / "corpus"
+    write_corpus(
+        target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), corpus, max_new_tokens=6, feature_layers=(0,)
+    )
+    d = target.model.config.hidden_size
+    for seq in read_corpus(corpus):
+        tokens = seq.tokens.long().tolist()
+        with torch.no_grad():
+            out = target.model.model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+        want = torch.cat([out.hidden_states[1][0], out.last_hidden_state[0]], dim=-1)
+        n = len(tokens) - 1
+        assert seq.features.shape == (len(tokens), 2 * d)
+        assert torch.allclose(seq.features[:n].float(), want[:n], atol=1e-2)
+    final, whole = read_corpus(corpus, ()), read_corpus(corpus)
+    assert all(torch.equal(a.features, b.features[:, d:]) for a, b in zip(final, whole, strict=True))
+    with pytest.raises(ValueError, match=r"holds features of decoder layers \[0\], not \[1\]"):
+        read_corpus(corpus, (1,))
+    with pytest.raises(ValueError, match="write this corpus to another directory"):
+        write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), corpus, max_new_tokens=6)
+    cfg = TrainConfig(epochs=2, batch_tokens=64, draft_vocab=256, unroll=2, feature_layers=(0,))
+    with pytest.raises(ValueError, match="read it with read_corpus"):
+        train_head(target, read_corpus(corpus, ()), tmp_path / "wrong", cfg)
+    with pytest.raises(ValueError, match="need the training-time test"):
+        train_head(target, read_corpus(corpus), tmp_path / "wrong", TrainConfig(feature_layers=(0,)))
+    for name, layers in (("fused", (0,)), ("plain", ())):
+        cfg = TrainConfig(epochs=2, batch_tokens=64, draft_vocab=256, unroll=2, feature_layers=layers)
+        train_head(target, read_corpus(corpus, layers), tmp_path / name, cfg)
+        assert load_head(tmp_path / name).head.config.feature_layers == layers
+    specs = [f"eagle:{tmp_path / name}" for name in ("fused", "plain")]
+    decoder = Decoder(target=tiny_target, drafters=specs)
+    ids = decoder.encode(PROMPTS[0])
+    for spec in specs:
+        result = decoder.generate(ids, max_new_tokens=12, policy=f"fixed:{spec}")
+        assert result.token_ids == greedy_reference(decoder.target.model, ids, 12)
+        assert result.stats.drafters()[spec].drafted > 0
+
+
+def test_a_corpus_refeatured_keeps_its_sequences_in_order_with_the_layers_added(tiny_target, tmp_path):
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    plain, fused = tmp_path / "plain", tmp_path / "fused"
+    write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), plain, max_new_tokens=6, batch_size=2)
+    summary = refeature_corpus(target, plain, fused, (0,))
+    before, after = read_corpus(plain), read_corpus(fused)
+    assert summary["sequences"] == len(before) == len(after)
+    assert [p.name for p in sorted(fused.glob("shard-*"))] == [p.name for p in sorted(plain.glob("shard-*"))]
+    d = target.model.config.hidden_size
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(old.tokens, new.tokens)
+        n = len(old.tokens) - 1  # the plain corpus never computed its last token's feature
+        assert torch.allclose(old.features[:n].float(), new.features[:n, d:].float(), atol=1e-2)
+        with torch.no_grad():
+            out = target.model.model(input_ids=old.tokens.long()[None], output_hidden_states=True)
+        assert torch.allclose(new.features[:, :d].float(), out.hidden_states[1][0], atol=1e-2)
+    with pytest.raises(ValueError, match="write this corpus to another directory"):
+        refeature_corpus(target, plain, fused, (1,))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cached_model import feature_layers_read_by
 from ..drafters.base import for_request
 from ..engine import Decoder, Generation
 from ..policy import Policy
@@ -49,8 +50,13 @@ class Batch:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.decoder = decoder
         self.max_batch = max_batch
-        readers = any(getattr(d, "reads_target_features", False) for d in decoder.drafters.values())
-        self.target = BatchedTarget(decoder.target.model, rows=max_batch, keep_features=readers)
+        readers = [d for d in decoder.drafters.values() if getattr(d, "reads_target_features", False)]
+        self.target = BatchedTarget(
+            decoder.target.model,
+            rows=max_batch,
+            keep_features=bool(readers),
+            feature_layers=feature_layers_read_by(readers),
+        )
         costs = decoder.cost_model()
         tables = {}
         if max_batch > 1:

@@ -12,10 +12,12 @@ context shares (a tree's entries settled on the path the context follows) and fe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..cached_model import common_prefix
+from ..cached_model import common_prefix, feature_tap
 from ..tree import DraftTree
 
 
@@ -103,6 +105,10 @@ class Row:
     def keep_features(self) -> bool:
         return self.owner.keep_features
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.owner.feature_layers
+
     def reset(self) -> None:
         self.tokens, self.tree, self.fed_tokens = [], None, 0
 
@@ -110,7 +116,7 @@ class Row:
         return self.owner.forward([(self, context, tree)])[0]
 
     def features_for(self, tokens: list[int]) -> torch.Tensor:
-        """The target's final-norm output [n, d] for the longest prefix of `tokens` this row has computed."""
+        """The target's features [n, D] (`feature_tap`) for the longest prefix of `tokens` this row has computed."""
         if self.owner.features is None:
             return torch.empty(0, 0)
         self.owner.settle(self, tokens)
@@ -121,7 +127,14 @@ class BatchedTarget:
     """The target model over rows of slots: `forward` verifies each row's draft tree after its context, all rows in
     one model call. Rows in one call must be consecutive (the whole batch, or one row for a prefill)."""
 
-    def __init__(self, model: torch.nn.Module, rows: int, keep_features: bool = False, capacity: int = 256):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rows: int,
+        keep_features: bool = False,
+        capacity: int = 256,
+        feature_layers: Sequence[int] = (),
+    ):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         config = model.config
@@ -133,8 +146,9 @@ class BatchedTarget:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.slots = _Slots(config.num_hidden_layers, rows, capacity)
-        self.keep_features = keep_features
-        self.features: torch.Tensor | None = None  # [rows, capacity, d]
+        self.keep_features = keep_features  # as `CachedModel` keeps them
+        self.feature_layers = tuple(feature_layers)
+        self.features: torch.Tensor | None = None  # [rows, capacity, D]
         self.rows: list[Row | None] = [None] * rows
 
     # --- rows ------------------------------------------------------------------------------------------------------
@@ -247,15 +261,18 @@ class BatchedTarget:
         first = items[0][0].index
         self.slots.first, self.slots.span = first, span
         self.slots.write_index = (torch.tensor(keeps)[:, None] + torch.arange(width)).to(self.device)
-        hidden = self.body(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            cache=self.slots,
-            use_cache=True,
-        ).last_hidden_state
-        if self.keep_features:
-            self._keep_features(hidden, first)
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "attention_mask": mask.to(self.device),
+            "position_ids": positions.to(self.device),
+            "cache": self.slots,
+            "use_cache": True,
+        }
+        if not self.keep_features:
+            return self.body(**inputs).last_hidden_state
+        with feature_tap(self.model, self.feature_layers) as tapped:
+            hidden = self.body(**inputs).last_hidden_state
+            self._keep_features(tapped(), first)
         return hidden
 
     def _keep_features(self, hidden: torch.Tensor, first: int) -> None:

@@ -54,6 +54,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="2: also train on the head's own predicted features, as a second draft token's step reads them "
         "(EAGLE-3's training-time test; twice the training time) (default: %(default)s)",
     )
+    p.add_argument(
+        "--feature-layers",
+        default="none",
+        help="decoder layers whose outputs the head reads beside the final norm's (EAGLE-3's fused features): "
+        "'auto' (a low and a middle layer: 1 and L/2 - 1 of L), comma-separated indices, or 'none'; needs "
+        "--unroll 2; a corpus is written with them, and one holding more is read for these (default: %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=run)
@@ -86,12 +93,18 @@ def run(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.feature_layers != "none" and args.unroll < 2:
+        raise ValueError(
+            "--feature-layers needs --unroll 2: from its second draft token on, a head reads its own "
+            "predictions, and only the training-time test shows it those"
+        )
     out = Path(args.out)
     corpus_dirs = [Path(c) for c in args.corpus] if args.corpus else [out / "corpus"] if args.prompts else []
     if not corpus_dirs and not args.texts:
         raise ValueError("nothing to train on: give --prompts (the target answers them), --corpus or --texts")
     texts_dir = Path(args.texts_corpus) if args.texts_corpus else out / "texts"
     target = load_model(args.target, args.dtype)
+    layers = feature_layers(args.feature_layers, target.model.config.num_hidden_layers)
     started = time.perf_counter()
     with tqdm(unit="batch", desc="target answers", disable=args.quiet) as bar:
 
@@ -109,9 +122,10 @@ def run(args: argparse.Namespace) -> None:
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.gen_batch,
                 max_tokens=args.corpus_tokens,
+                feature_layers=layers,
                 progress=answered,
             )
-        seqs = [s for d in corpus_dirs for s in read_corpus(d)]
+        seqs = [s for d in corpus_dirs for s in read_corpus(d, layers)]
         texts = None
         if args.texts:
             bar.reset()
@@ -123,9 +137,10 @@ def run(args: argparse.Namespace) -> None:
                 max_new_tokens=0,
                 batch_size=8,
                 max_tokens=args.texts_tokens,
+                feature_layers=layers,
                 progress=answered,
             )
-            seqs += read_corpus(texts_dir)
+            seqs += read_corpus(texts_dir, layers)
     corpus_seconds = time.perf_counter() - started
     cfg = TrainConfig(
         epochs=args.epochs,
@@ -133,6 +148,7 @@ def run(args: argparse.Namespace) -> None:
         batch_tokens=args.batch_tokens,
         draft_vocab=args.draft_vocab,
         unroll=args.unroll,
+        feature_layers=layers,
     )
     with tqdm(unit="step", desc="training", disable=args.quiet) as bar:
 
@@ -145,3 +161,19 @@ def run(args: argparse.Namespace) -> None:
         summary = train_head(target, seqs, out, cfg, checkpoint=out / "checkpoint.pt", progress=trained)
     report = {"corpus": corpus, "texts": texts, "corpus_wall_seconds": round(corpus_seconds, 1), "training": summary}
     print(json.dumps(report, indent=1))
+
+
+def feature_layers(value: str, layers: int) -> tuple[int, ...]:
+    """`--feature-layers`: none, auto (EAGLE-3 captures layers 1, L/2 - 1 and L - 4; the final norm's output stands
+    in for the high one here, as the head's readout and feature loss read it) or indices in [0, layers)."""
+    if value == "none":
+        return ()
+    if value == "auto":
+        return tuple(sorted({1, layers // 2 - 1} & set(range(layers - 1))))
+    try:
+        chosen = tuple(sorted({int(part) for part in value.split(",")}))
+    except ValueError:
+        raise ValueError(f"--feature-layers takes none, auto or comma-separated layer indices, got {value!r}") from None
+    if not all(0 <= layer < layers for layer in chosen):
+        raise ValueError(f"--feature-layers {value}: this target has decoder layers 0..{layers - 1}")
+    return chosen

@@ -1,11 +1,11 @@
 """A white-box drafter: an EAGLE head (arXiv 2401.15077) reading the target's own features (`eagle:PATH`).
 
-The target's cache keeps its final-norm features of every position it has verified (`CachedModel.features_for`);
-the head turns (feature of position i, token i + 1) into a predicted feature of position i + 1, read out by the
-target's LM head over the draft vocabulary. Its own KV cache holds one entry per such pair and mirrors a token list
-like `CachedModel` does: entries built from the target's true features are kept while their tokens match the
-context, entries built from drafted (predicted) features are dropped before the next draft, so it cannot drift.
-It draws from q and sends q (zero outside the draft vocabulary), so sampled verification stays exact.
+The target's cache keeps its features of every verified position (`CachedModel.features_for`: the final norm's
+output, after the layers a head fuses); the head turns (feature of position i, token i + 1) into a predicted
+feature of position i + 1, read out by the target's LM head over the draft vocabulary. Its own KV cache holds one
+entry per such pair and mirrors a token list like `CachedModel`: entries from the target's true features are kept
+while their tokens match the context, entries from drafted (predicted) features are dropped before the next draft,
+so it cannot drift. It draws from q and sends q (zero outside the draft vocabulary): sampling stays exact.
 
 A draft step (one row through the head and the draft vocabulary's readout) is bound by memory bandwidth, so it
 takes whichever of torch's kernel, the weight-major layout (`models/linear_kernels.py`) and int8 weights
@@ -55,7 +55,14 @@ class EagleDrafter(AutoregressiveDrafter):
         self.readout = torch.nn.Linear(readout.shape[1], readout.shape[0], bias=False, device=param.device)
         self.readout.weight = torch.nn.Parameter(readout, requires_grad=False)
         self.vocab_size = vocab_size
+        self.feature_layers = head.config.feature_layers  # beside the final norm's output: the target keeps them
+        layers = target.config.num_hidden_layers
+        if any(not 0 <= layer < layers for layer in self.feature_layers):
+            raise ValueError(
+                f"{name} reads decoder layers {list(self.feature_layers)}, and the target has layers 0..{layers - 1}"
+            )
         self.target_lm: CachedModel | None = None
+        self._columns: torch.Tensor | None = None  # the target cache's feature columns this head reads
         # the catch-up (entries from the target's true features, kept across rounds) always runs on the float
         # weights, so what the cache holds never depends on how many rows a call had; draft steps (entries dropped
         # before the next draft) and the readout run on what `_route` chose
@@ -108,9 +115,18 @@ class EagleDrafter(AutoregressiveDrafter):
         return best
 
     def read_features_from(self, target_lm: CachedModel) -> None:
-        """The decoder's target cache, whose features of verified positions the head reads."""
-        if not target_lm.keep_features:
-            raise ValueError("an EAGLE drafter needs a target cache that keeps its features (keep_features=True)")
+        """The decoder's target cache, whose features of verified positions the head reads: its blocks of d
+        columns are the cache's `feature_layers`' outputs, then the final norm's; the head picks its own."""
+        kept = getattr(target_lm, "feature_layers", ())
+        if not target_lm.keep_features or not set(self.feature_layers) <= set(kept):
+            raise ValueError(
+                f"{self.name} needs a target cache that keeps its features (keep_features=True) and the outputs of "
+                f"decoder layers {list(self.feature_layers)} (feature_layers)"
+            )
+        blocks = [kept.index(layer) for layer in self.feature_layers] + [len(kept)]
+        d = self.exact_head.config.hidden_size
+        columns = torch.cat([torch.arange(b * d, (b + 1) * d) for b in blocks])
+        self._columns = None if blocks == list(range(len(kept) + 1)) else columns.to(self.embed.weight.device)
         self.target_lm = target_lm
 
     def reset_cache(self) -> None:
@@ -153,7 +169,8 @@ class EagleDrafter(AutoregressiveDrafter):
         elif valid < self.cache.get_seq_length():
             self.cache.crop(valid - self.cache.get_seq_length())
         ids = torch.tensor([context[valid + 1 : end + 1]], device=features.device)
-        hidden = self.exact_head(features[valid:end].unsqueeze(0), self.embed(ids), cache=self.cache)
+        true = features[valid:end] if self._columns is None else features[valid:end, self._columns]
+        hidden = self.exact_head(self.exact_head.fuse(true.unsqueeze(0)), self.embed(ids), cache=self.cache)
         self.pairs = list(context[1 : end + 1])
         self.exact = end
         return hidden[:, -1]

@@ -3,7 +3,10 @@
 The head is one decoder layer that reads, for position i, the target's feature f_i (the output of its final norm)
 fused with the embedding of token i + 1, and predicts f_(i+1); the target's own LM head, restricted to a draft
 vocabulary (the most frequent target tokens, as EAGLE-3, arXiv 2503.01840, reduces it), reads the prediction out
-as the next token's logits. Drafting feeds the head its own predicted features for the tokens it drafted.
+as the next token's logits. Drafting feeds the head its own predicted features for the tokens it drafted. With
+`feature_layers` (EAGLE-3's fused features) a true f_i also holds those decoder layers' outputs, each scaled to
+unit RMS (a middle layer's residual stream reaches 10^4 on attention-sink tokens) and reduced to one vector by a
+linear layer that starts as "take the final norm's output".
 
 The embedding and LM head are the target's (not stored): a head directory holds `head.safetensors` (the fusion
 layer, the decoder layer, the draft vocabulary) and `config.json` (shape, training facts, and what identifies the
@@ -37,6 +40,7 @@ class HeadConfig:
     rope_theta: float
     max_position_embeddings: int
     draft_vocab_size: int
+    feature_layers: tuple[int, ...] = ()  # decoder layers read beside the final norm (EAGLE-3's fused features)
 
 
 @dataclass
@@ -68,7 +72,7 @@ class TargetCheck:
         return None
 
 
-def head_config_for(model: torch.nn.Module, draft_vocab_size: int) -> HeadConfig:
+def head_config_for(model: torch.nn.Module, draft_vocab_size: int, feature_layers: tuple[int, ...] = ()) -> HeadConfig:
     """A head shaped like one decoder layer of the target."""
     c = model.config
     return HeadConfig(
@@ -81,6 +85,7 @@ def head_config_for(model: torch.nn.Module, draft_vocab_size: int) -> HeadConfig
         rope_theta=float(getattr(c, "rope_theta", None) or (c.rope_parameters or {}).get("rope_theta", 10000.0)),
         max_position_embeddings=c.max_position_embeddings,
         draft_vocab_size=draft_vocab_size,
+        feature_layers=tuple(sorted(set(feature_layers))),  # the order targets keep them in
     )
 
 
@@ -93,6 +98,12 @@ class EagleHead(torch.nn.Module):
             )
         self.config = config
         d = config.hidden_size
+        layers = len(config.feature_layers)
+        self.reduce = torch.nn.Linear((layers + 1) * d, d, bias=False) if layers else None
+        if self.reduce is not None:  # starts as a head without fused features; training learns what to add
+            with torch.no_grad():
+                self.reduce.weight.zero_()
+                self.reduce.weight[:, layers * d :] = torch.eye(d)
         self.fc = torch.nn.Linear(2 * d, d, bias=False)
         body = LlamaConfig(
             vocab_size=1,
@@ -113,6 +124,16 @@ class EagleHead(torch.nn.Module):
         self.body = LlamaModel(body)
         self.body.embed_tokens = None  # the head reads fused features, never ids
         self.register_buffer("draft_vocab", draft_vocab.long())
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., d * (len(feature_layers) + 1)] as the one vector [..., d] `forward` reads
+        (unchanged without feature layers); the head's own predictions are read as they are."""
+        if self.reduce is None:
+            return features
+        d = self.config.hidden_size
+        layers, final = features[..., :-d].unflatten(-1, (-1, d)), features[..., -d:]
+        layers = layers * torch.rsqrt(layers.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return self.reduce(torch.cat([layers.flatten(-2), final], dim=-1))
 
     def forward(
         self,
@@ -169,7 +190,8 @@ def _read_config(path: Path) -> tuple[dict, HeadConfig, TargetCheck]:
         config = json.loads(config_file.read_text(encoding="utf-8"))
         if config.get("format") != FORMAT or config.get("version") != VERSION:
             raise ValueError(f"format {config.get('format')!r} version {config.get('version')!r}")
-        return config, HeadConfig(**config["head"]), TargetCheck(**config["target_check"])
+        head = HeadConfig(**{**config["head"], "feature_layers": tuple(config["head"].get("feature_layers", ()))})
+        return config, head, TargetCheck(**config["target_check"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{config_file} is not a {FORMAT} v{VERSION} config: {err}") from err
 

@@ -3,8 +3,9 @@
 EAGLE (Li et al., arXiv 2401.15077) trains its head on the target's final-layer features; a head learns only what
 it is shown, so the text is the target's own greedy answers (what it will draft at decoding time) to prompts from
 corpora that are not benchmarks. One batched decoding pass writes both: the tokens of prompt + answer, and the
-target's features (the output of its final norm, what its LM head reads) at each position, captured as it decodes
-(no second forward). Shards are written per batch, so an interrupted run resumes where it stopped.
+target's features (the output of its final norm, what its LM head reads, after the outputs of the decoder layers a
+fused head reads: `cached_model.feature_tap`) at each position, captured as it decodes (no second forward). Shards
+are written per batch, so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
+from ..cached_model import feature_tap
 from .distill import encode, read_prompts
 
 
 @dataclass(frozen=True)
 class TokenFeatures:
-    """One prompt + answer: `tokens` [n], `features` [n, d] (the last row is the feature of the last token)."""
+    """One prompt + answer: `tokens` [n], `features` [n, D] (the last row is the feature of the last token)."""
 
     tokens: torch.Tensor
     features: torch.Tensor
@@ -39,8 +41,10 @@ def read_prompt_files(paths: list[str]) -> list[list[dict]]:
 
 
 @torch.inference_mode()
-def _answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[int]) -> list[TokenFeatures]:
-    """Greedy answers for a left-padded batch, with the final-norm features of every real position."""
+def _answer_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[int], feature_layers: tuple[int, ...]
+) -> list[TokenFeatures]:
+    """Greedy answers for a left-padded batch, with the features of every real position."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -56,14 +60,16 @@ def _answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: fro
     step_ids = ids
     for step in range(max_new_tokens + 1):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-        hidden = model.model(
-            input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-        ).last_hidden_state
+        with feature_tap(model, feature_layers) as tapped:
+            hidden = model.model(
+                input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+            ).last_hidden_state
+            features = tapped()
         for row in range(len(prompts)):
             if step == 0:
-                feats[row].append(hidden[row, width - len(prompts[row]) :].float().cpu())
+                feats[row].append(features[row, width - len(prompts[row]) :].float().cpu())
             elif step <= len(answers[row]):  # this step fed answers[row][step - 1], a real token
-                feats[row].append(hidden[row, -1:].float().cpu())
+                feats[row].append(features[row, -1:].float().cpu())
         if step == max_new_tokens:
             break
         nxt = model.lm_head(hidden[:, -1]).argmax(-1).cpu()
@@ -129,10 +135,12 @@ def write_corpus(
     max_new_tokens: int = 256,
     batch_size: int = 16,
     max_tokens: int | None = None,
+    feature_layers: tuple[int, ...] = (),
     progress: Callable[[int, int, int], None] | None = None,
 ) -> dict:
     """Decode every token sequence (an encoded prompt) with the target, greedy and batched, for up to max_new_tokens
-    (0: a prefill only, for documents); write (tokens, features) under `out`.
+    (0: a prefill only, for documents); write (tokens, features) under `out`, the features with the outputs of
+    `feature_layers` before the final norm's (a directory holds one choice: a rerun with another is refused).
 
     Batches are formed from sequences sorted by length (less
     padding) and decoded in a fixed shuffled order (any prefix of the work is a fair sample of the sequences), until
@@ -140,7 +148,7 @@ def write_corpus(
     already on disk is kept, so a rerun resumes.
     progress(batches_done, batches_total, tokens_written) is called after each batch. Returns the summary that is
     also written to out/corpus.json."""
-    out.mkdir(parents=True, exist_ok=True)
+    _claim(out, feature_layers)
     encoded = sorted(sequences, key=len)
     batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
     random.Random(0).shuffle(batches)
@@ -151,19 +159,8 @@ def write_corpus(
         used += len(batch)
         path = out / f"shard-{index:05d}.safetensors"
         if not path.is_file():
-            seqs = _answer_batch(loaded.model, batch, max_new_tokens, loaded.eos_token_ids)
-            lengths = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64)
-            tmp = path.with_suffix(".tmp")
-            save_file(
-                {
-                    "tokens": torch.cat([s.tokens for s in seqs]),
-                    "features": torch.cat([s.features for s in seqs]),
-                    "lengths": lengths,
-                    "prompt_lengths": torch.tensor([len(p) for p in batch], dtype=torch.int64),
-                },
-                str(tmp),
-            )
-            tmp.rename(path)
+            seqs = _answer_batch(loaded.model, batch, max_new_tokens, loaded.eos_token_ids, tuple(feature_layers))
+            _save_shard(path, seqs, [len(p) for p in batch])
         tokens += int(load_file(str(path))["lengths"].sum())
         if progress is not None:
             progress(index + 1, len(batches), tokens)
@@ -172,21 +169,118 @@ def write_corpus(
         "sequences": used,
         "tokens": tokens,
         "max_new_tokens": max_new_tokens,
+        "feature_layers": list(feature_layers),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    (out / "corpus.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    _write_summary(out, summary)
     return summary
 
 
-def read_corpus(out: Path) -> list[TokenFeatures]:
-    """Every sequence of the shards under `out`."""
+def _claim(out: Path, feature_layers: tuple[int, ...]) -> None:
+    """`out` will hold features of `feature_layers`: refused where its shards hold others (a rerun resumes)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("shard-*.safetensors")) and corpus_layers(out) != tuple(feature_layers):
+        raise ValueError(
+            f"{out} holds features of decoder layers {list(corpus_layers(out))} (and the final norm), not "
+            f"{list(feature_layers)}: write this corpus to another directory (a corpus holding more layers than a "
+            "head reads is read for it as it is: train without --prompts)"
+        )
+    if not (out / "corpus.json").is_file():
+        _write_summary(out, {"feature_layers": list(feature_layers)})
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+    tmp = out / "corpus.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    tmp.rename(out / "corpus.json")
+
+
+def _save_shard(path: Path, seqs: list[TokenFeatures], prompt_lengths: list[int]) -> None:
+    if not all(bool(s.features.isfinite().all()) for s in seqs):
+        raise ValueError(f"{path}: a feature overflows float16 (a decoder layer's output): choose other layers")
+    tmp = path.with_suffix(".tmp")
+    save_file(
+        {
+            "tokens": torch.cat([s.tokens for s in seqs]),
+            "features": torch.cat([s.features for s in seqs]),
+            "lengths": torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64),
+            "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int64),
+        },
+        str(tmp),
+    )
+    tmp.rename(path)
+
+
+def refeature_corpus(
+    loaded,
+    source: Path,
+    out: Path,
+    feature_layers: tuple[int, ...],
+    progress: Callable[[int, int, int], None] | None = None,
+) -> dict:
+    """The corpus at `source`, shard by shard and in its order, with the features of `feature_layers` and the final
+    norm, from one batched prefill of each shard's sequences (the same tokens, so the same held-out split): a
+    corpus written before fused features, made readable by a head that fuses them, without decoding it again.
+    Resumes like `write_corpus`."""
+    shards = sorted(source.glob("shard-*.safetensors"))
+    if not shards:
+        raise ValueError(f"no corpus shards under {source}")
+    _claim(out, feature_layers)
+    started, sequences, tokens = time.perf_counter(), 0, 0
+    for index, shard in enumerate(shards):
+        data = load_file(str(shard))
+        offsets = [0, *data["lengths"].cumsum(0).tolist()]
+        batch = [data["tokens"][a:b].tolist() for a, b in zip(offsets, offsets[1:], strict=False)]
+        path = out / shard.name
+        if not path.is_file():
+            seqs = _answer_batch(loaded.model, batch, 0, loaded.eos_token_ids, tuple(feature_layers))
+            _save_shard(path, seqs, data["prompt_lengths"].tolist())
+        sequences, tokens = sequences + len(batch), tokens + int(data["lengths"].sum())
+        if progress is not None:
+            progress(index + 1, len(shards), tokens)
+    summary = {
+        "target": loaded.spec,
+        "source": str(source),
+        "sequences": sequences,
+        "tokens": tokens,
+        "feature_layers": list(feature_layers),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    _write_summary(out, summary)
+    return summary
+
+
+def corpus_layers(out: Path) -> tuple[int, ...]:
+    """The decoder layers whose outputs a corpus holds before the final norm's (none for one written before
+    fused features)."""
+    summary = out / "corpus.json"
+    return tuple(json.loads(summary.read_text(encoding="utf-8")).get("feature_layers", [])) if summary.is_file() else ()
+
+
+def read_corpus(out: Path, feature_layers: tuple[int, ...] | None = None) -> list[TokenFeatures]:
+    """Every sequence of the shards under `out`; with feature_layers, only those layers' blocks of its features
+    and the final norm's (a head reading fewer layers than the corpus holds trains on the same data)."""
     shards = sorted(out.glob("shard-*.safetensors"))
     if not shards:
         raise ValueError(f"no corpus shards under {out} (write them with write_corpus / metasd train-eagle)")
+    held = corpus_layers(out)
+    wanted = held if feature_layers is None else tuple(feature_layers)
+    if not set(wanted) <= set(held):
+        raise ValueError(
+            f"{out} holds features of decoder layers {list(held)}, not {list(wanted)}: write a corpus with "
+            f"--feature-layers {','.join(map(str, wanted))}"
+        )
     seqs = []
     for path in shards:
         data = load_file(str(path))
+        features = data["features"]
+        if features.shape[1] % (len(held) + 1):
+            raise ValueError(f"{path} has features of width {features.shape[1]}, not {len(held) + 1} blocks")
+        if wanted != held:
+            d = features.shape[1] // (len(held) + 1)
+            blocks = [held.index(layer) for layer in wanted] + [len(held)]
+            features = torch.cat([features[:, b * d : (b + 1) * d] for b in blocks], dim=1)
         offsets = [0, *data["lengths"].cumsum(0).tolist()]
         for a, b in zip(offsets, offsets[1:], strict=False):
-            seqs.append(TokenFeatures(data["tokens"][a:b], data["features"][a:b]))
+            seqs.append(TokenFeatures(data["tokens"][a:b], features[a:b]))
     return seqs

@@ -6,8 +6,10 @@ Input features get uniform noise, as EAGLE does, so the head tolerates its own i
 several tokens from them. With `unroll=2` the head also trains on its own predictions, as drafting uses them
 (EAGLE-3's training-time test, arXiv 2503.01840): a second pass feeds entry i the head's predicted feature of
 position i (from entry i - 1) instead of the true one, attending to the true entries before i and to itself, as a
-second draft token's step does, and adds that pass's loss. Sequences are right-padded into batches of similar
-length; causal attention keeps real positions from ever seeing padding.
+second draft token's step does, and adds that pass's loss. With `feature_layers` the true features the head reads
+are fused from those decoder layers' outputs and the final norm's (EAGLE-3); the feature it predicts, and the
+distribution it learns, stay the final norm's. Sequences are right-padded into batches of similar length; causal
+attention keeps real positions from ever seeing padding.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class TrainConfig:
     feature_weight: float = 1.0
     token_weight: float = 1.0
     unroll: int = 1  # 2: also train on the head's own predicted features (training-time test)
+    feature_layers: tuple[int, ...] = ()  # decoder layers fused with the final norm's output (EAGLE-3)
     seed: int = 0
 
 
@@ -59,7 +62,7 @@ def _batches(seqs: list[TokenFeatures], cfg: TrainConfig, rng: random.Random) ->
 def _stack(
     seqs: list[TokenFeatures], idx: list[int], max_length: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded tokens [B, n], features [B, n, d] (float32) and a mask of positions with a real feature."""
+    """Right-padded tokens [B, n], features [B, n, D] (float32) and a mask of positions with a real feature."""
     n = min(max(len(seqs[i].tokens) for i in idx), max_length)
     d = seqs[idx[0]].features.shape[1]
     tokens = torch.zeros(len(idx), n, dtype=torch.long)
@@ -96,11 +99,11 @@ def _second_step_mask(n: int, dtype: torch.dtype, device: torch.device) -> torch
 def head_passes(
     head: EagleHead, inputs: torch.Tensor, embeds: torch.Tensor, unroll: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head's predictions [B, n, d] from entries (inputs_i, embeds_i), and with unroll=2 its predictions from
+    """The head's predictions [B, n, d] from entries (inputs_i [D], fused; embeds_i), and with unroll=2 from
     entries (its own prediction of f_i, embeds_i), each attending to the true entries before it and itself (entry 0
     has no prediction of its own: its row is not a step drafting does)."""
     cache = DynamicCache(config=head.body.config) if unroll > 1 else None
-    pred = head(inputs, embeds, cache=cache)
+    pred = head(head.fuse(inputs), embeds, cache=cache)
     if unroll < 2:
         return pred, None
     b, n = pred.shape[:2]
@@ -126,7 +129,7 @@ def head_loss(
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * cfg.noise
     pred, pred2 = head_passes(head, inputs, embed(tokens[:, 1:]), cfg.unroll)
     mask = real[:, 1:] & real[:, :-1]
-    want = feats[:, 1:][mask]
+    want = feats[:, 1:, -head.config.hidden_size :][mask]  # the final norm's output: what the readout reads
     target_p = torch.softmax(want @ readout.T, dim=-1)
     loss, feature_loss, token_loss, agree = _pass_loss(pred[mask], want, target_p, readout, cfg)
     metrics = {"feature": feature_loss.item(), "token": token_loss.item(), "top1": agree.float().mean().item()}
@@ -187,9 +190,20 @@ def train_head(
     progress(step, steps, metrics) is called after each step (after its checkpoint)."""
     torch.manual_seed(cfg.seed)
     model = target.model
+    if cfg.feature_layers and (cfg.unroll < 2 or list(cfg.feature_layers) != sorted(set(cfg.feature_layers))):
+        raise ValueError(
+            "fused features need the training-time test (unroll=2: from its second draft token on, the head reads "
+            "its own predictions, not fused features) and their layers sorted, each once"
+        )
+    width = (len(cfg.feature_layers) + 1) * model.config.hidden_size
+    if any(s.features.shape[1] != width for s in seqs):
+        raise ValueError(
+            f"the corpus's features are not the final norm's and decoder layers {list(cfg.feature_layers)}' outputs "
+            f"({width} columns); read it with read_corpus(dir, feature_layers)"
+        )
     held, seqs = held_out_split(seqs)
     vocab = draft_vocabulary(seqs, cfg.draft_vocab, target.vocab_size, target.eos_token_ids)
-    head = EagleHead(head_config_for(model, len(vocab)), vocab)
+    head = EagleHead(head_config_for(model, len(vocab), cfg.feature_layers), vocab)
     embed = model.get_input_embeddings().requires_grad_(False)  # the target's: gradients stop at the head
     readout = model.get_output_embeddings().weight[vocab].detach().float()
     steps_per_epoch = len(_batches(seqs, cfg, random.Random(0)))
@@ -202,7 +216,8 @@ def train_head(
     step, seconds = 0, 0.0
     if checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
-        if state["config"] != asdict(cfg) or state["steps"] != steps:
+        # a setting the checkpoint predates had its default then
+        if {**asdict(TrainConfig()), **state["config"]} != asdict(cfg) or state["steps"] != steps:
             raise ValueError(f"checkpoint {checkpoint} is of another training configuration; remove it to restart")
         head.load_state_dict(state["head"])
         optim.load_state_dict(state["optim"])
