@@ -46,6 +46,16 @@ def feature_layers_read_by(drafters) -> tuple[int, ...]:
     return tuple(sorted({layer for d in drafters for layer in getattr(d, "feature_layers", ())}))
 
 
+def feature_columns(kept: Sequence[int], wanted: Sequence[int], d: int) -> torch.Tensor | None:
+    """The columns a reader of the layers `wanted` (then the final norm's) needs of features kept for the layers
+    `kept` (then the final norm's), blocks of `d`, in its order; None where it needs them all as they are. Every
+    wanted layer must be kept."""
+    blocks = [list(kept).index(layer) for layer in wanted] + [len(kept)]
+    if blocks == list(range(len(kept) + 1)):
+        return None
+    return torch.cat([torch.arange(b * d, (b + 1) * d) for b in blocks])
+
+
 @contextmanager
 def feature_tap(model: torch.nn.Module, layers: Sequence[int] = ()) -> Iterator[Callable[[], torch.Tensor]]:
     """During a forward of `model`: a function returning the outputs of the decoder `layers`, then of the final

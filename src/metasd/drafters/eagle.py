@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..cached_model import CachedModel, common_prefix
+from ..cached_model import CachedModel, common_prefix, feature_columns
 from ..models.eagle_head import EagleHead, fits, load_head
 from ..models.int8_weights import WEIGHTS, int8_twin, route_rows, split_weights, synchronize
 from ..models.linear_kernels import KERNELS, install
@@ -123,10 +123,8 @@ class EagleDrafter(AutoregressiveDrafter):
                 f"{self.name} needs a target cache that keeps its features (keep_features=True) and the outputs of "
                 f"decoder layers {list(self.feature_layers)} (feature_layers)"
             )
-        blocks = [kept.index(layer) for layer in self.feature_layers] + [len(kept)]
-        d = self.exact_head.config.hidden_size
-        columns = torch.cat([torch.arange(b * d, (b + 1) * d) for b in blocks])
-        self._columns = None if blocks == list(range(len(kept) + 1)) else columns.to(self.embed.weight.device)
+        columns = feature_columns(kept, self.feature_layers, self.exact_head.config.hidden_size)
+        self._columns = None if columns is None else columns.to(self.embed.weight.device)
         self.target_lm = target_lm
 
     def reset_cache(self) -> None:

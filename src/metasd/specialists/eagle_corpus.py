@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from ..cached_model import feature_tap
+from ..cached_model import feature_columns, feature_tap
 from .distill import encode, read_prompts
 
 
@@ -276,10 +276,9 @@ def read_corpus(out: Path, feature_layers: tuple[int, ...] | None = None) -> lis
         features = data["features"]
         if features.shape[1] % (len(held) + 1):
             raise ValueError(f"{path} has features of width {features.shape[1]}, not {len(held) + 1} blocks")
-        if wanted != held:
-            d = features.shape[1] // (len(held) + 1)
-            blocks = [held.index(layer) for layer in wanted] + [len(held)]
-            features = torch.cat([features[:, b * d : (b + 1) * d] for b in blocks], dim=1)
+        columns = feature_columns(held, wanted, features.shape[1] // (len(held) + 1))
+        if columns is not None:
+            features = features[:, columns]
         offsets = [0, *data["lengths"].cumsum(0).tolist()]
         for a, b in zip(offsets, offsets[1:], strict=False):
             seqs.append(TokenFeatures(data["tokens"][a:b], features[a:b]))
