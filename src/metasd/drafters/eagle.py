@@ -117,7 +117,7 @@ class EagleDrafter(AutoregressiveDrafter):
     def read_features_from(self, target_lm: CachedModel) -> None:
         """The decoder's target cache, whose features of verified positions the head reads: its blocks of d
         columns are the cache's `feature_layers`' outputs, then the final norm's; the head picks its own."""
-        kept = getattr(target_lm, "feature_layers", ())
+        kept = target_lm.feature_layers
         if not target_lm.keep_features or not set(self.feature_layers) <= set(kept):
             raise ValueError(
                 f"{self.name} needs a target cache that keeps its features (keep_features=True) and the outputs of "

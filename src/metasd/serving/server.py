@@ -351,10 +351,10 @@ class _Engine:
         arriving then must still find the queue full."""
         return self._waiting
 
-    def _left_queue(self, count: int = 1) -> None:
-        """`count` waiting jobs joined the batch or were answered."""
+    def _left_queue(self) -> None:
+        """A waiting job joined the batch or was answered."""
         with self._lock:
-            self._waiting -= count
+            self._waiting -= 1
 
     def start(self) -> None:
         self._thread.start()

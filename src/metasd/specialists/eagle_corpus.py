@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
@@ -161,7 +162,8 @@ def write_corpus(
         if not path.is_file():
             seqs = _answer_batch(loaded.model, batch, max_new_tokens, loaded.eos_token_ids, tuple(feature_layers))
             _save_shard(path, seqs, [len(p) for p in batch])
-        tokens += int(load_file(str(path))["lengths"].sum())
+        with safe_open(str(path), "pt") as shard:  # its lengths, not its features
+            tokens += int(shard.get_tensor("lengths").sum())
         if progress is not None:
             progress(index + 1, len(batches), tokens)
     summary = {
