@@ -2,6 +2,7 @@
 
 from .drafters import Draft, Drafter, build_drafter
 from .engine import Decoder, Generation, GenerationResult
+from .hf import generate
 from .policy import Policy, build_policy
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -17,4 +18,5 @@ __all__ = [
     "SamplingParams",
     "build_drafter",
     "build_policy",
+    "generate",
 ]

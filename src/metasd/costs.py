@@ -68,10 +68,11 @@ class TargetCost:
     MAX_AGE = 200  # rounds after which an observation expires
     RECHECK = 100  # rounds after which T(1) is measured again
 
-    def __init__(self, calibrated: list[float]):
+    def __init__(self, calibrated: list[float], plain_steps: bool = True):
         if not calibrated or any(not t > 0 for t in calibrated):
             raise ValueError("a calibration table needs positive times for M = 1 ..")
         self.calibrated = list(calibrated)
+        self.plain_steps = plain_steps  # its owner takes a plain step when `plain_step_due` (see `scale`)
         self._recent: list[deque[tuple[int, float]]] = [deque(maxlen=self.WINDOW) for _ in calibrated]
         self._round = 0
         self._last_plain = -self.RECHECK
@@ -84,9 +85,17 @@ class TargetCost:
         return [seconds for when, seconds in self._recent[i] if self._round - when < self.MAX_AGE]
 
     def scale(self) -> float:
-        """Measured / calibrated T(1) as the machine runs now (1 before any plain step)."""
+        """Measured / calibrated T(1) as the machine runs now (1 before any plain step). For a table whose owner
+        takes no plain steps (`plain_steps` False: a batch's T(B, W), where nothing forces a plain round), the
+        median ratio over every width measured recently, so that unmeasured widths follow the machine rather than
+        keep idle-machine values beside measured ones."""
         plain = self._fresh(0)
-        return statistics.median(plain) / self.calibrated[0] if plain else 1.0
+        if plain:
+            return statistics.median(plain) / self.calibrated[0]
+        if self.plain_steps:
+            return 1.0
+        ratios = [seconds / self.calibrated[i] for i in range(self.max_tokens) for seconds in self._fresh(i)]
+        return statistics.median(ratios) if ratios else 1.0
 
     def __call__(self, m: int) -> float:
         i = min(max(m, 1), self.max_tokens) - 1

@@ -16,13 +16,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
 
 from .cached_model import CachedModel, common_prefix, feature_layers_read_by
 from .costs import CostModel, TargetCost, load_or_calibrate
-from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, default_pool, parse_drafters
+from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, default_pool, model_drafter, parse_drafters
 from .drafters.base import StoppableDrafter
 from .models.linear_kernels import KERNEL_MODES
-from .models.loading import LoadedModel, load_model
+from .models.loading import LoadedModel, adopt_model, dtype_name, load_model
 from .outcome import Extension, RoundOutcome
 from .policy import DEFAULT_POLICY, Policy, build_policy, canonical_policy
 from .policy.adaptive import DEFAULTS as ADAPTIVE_DEFAULTS
@@ -55,6 +56,7 @@ class _Clock:
     drafted: float = 0.0  # the chosen drafter drafted
     verifying: float = 0.0  # any continuation appended; the target's forward starts
     forwarded: float = 0.0  # the target's forward returned
+    accepting: float = 0.0  # this request's acceptance rule starts (in a batch, after other requests' conclusions)
     verified: float = 0.0  # the acceptance rule decided
     finished: float = 0.0  # the policy learned, caches synced
 
@@ -67,8 +69,13 @@ class _Clock:
         return self.forwarded - self.verifying
 
     @property
+    def accept_seconds(self) -> float:
+        return self.verified - self.accepting
+
+    @property
     def verify_seconds(self) -> float:
-        return self.verified - self.verifying
+        """The forward and this request's own acceptance rule: in a batch, not the requests concluded before it."""
+        return self.forward_seconds + self.accept_seconds
 
     @property
     def total_seconds(self) -> float:
@@ -80,23 +87,38 @@ class Decoder:
 
     def __init__(
         self,
-        target: str | None = None,
-        drafters: str | Sequence[str | Drafter] = DEFAULT_POOL,
+        target: str | torch.nn.Module | None = None,
+        drafters: str | Sequence[str | Drafter | tuple[torch.nn.Module, object]] = DEFAULT_POOL,
         policy: str = DEFAULT_POLICY,
         draft_len: int = 5,
-        dtype: str = "float32",
+        dtype: str | None = None,
         policy_scope: str = "request",
         seed: int | None = None,
         device: str = "auto",
-        kernels: str = "auto",
+        kernels: str | None = None,
+        tokenizer: object | None = None,
     ):
+        """target: a spec (the embedded model when None, a hub id, a directory, a `.gguf` file), loaded in `dtype`
+        (default float32) on `device`; or a transformers causal LM object with its `tokenizer`, decoded as it is
+        (its dtype, device and adapters; no second copy of the weights). drafters: specs, `Drafter` objects, or
+        (model, tokenizer) pairs drafting as `lm:` drafters. kernels: the target's linear kernels (`auto` routes
+        them per row count, the default for a spec; `torch` leaves them as they are, the default for an object)."""
         if not isinstance(draft_len, int) or draft_len < 1:
             raise ValueError(f"draft_len must be an integer >= 1, got {draft_len!r}")
         if policy_scope not in ("request", "server"):
             raise ValueError(f"policy_scope must be 'request' or 'server', got {policy_scope!r}")
+        own = isinstance(target, torch.nn.Module)
+        kernels = kernels or ("torch" if own else "auto")
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
-        self.target: LoadedModel = load_model(target, dtype, device)
+        if own:
+            self.target: LoadedModel = adopt_model(target, tokenizer)
+            dtype = dtype or dtype_name(target)
+        elif tokenizer is not None:
+            raise ValueError("tokenizer= goes with a model object as the target; a spec loads its own tokenizer")
+        else:
+            dtype = dtype or "float32"
+            self.target = load_model(target, dtype, device)
         target_processors(self.target.model, 1, 1, self.target.spec)  # refuse what its generate does unlike us
         self.tokenizer = self.target.tokenizer
         self.drafters: dict[str, Drafter] = {}
@@ -104,7 +126,7 @@ class Decoder:
         if tuple(items) == DEFAULT_POOL:
             items = default_pool(self.target)
         for item in items:
-            drafter = item if isinstance(item, Drafter) else build_drafter(item, self.target, dtype)  # spec or object
+            drafter = self._drafter(item, dtype)
             if drafter.name in self.drafters:
                 raise ValueError(f"drafter pool lists {drafter.name!r} twice")
             self.drafters[drafter.name] = drafter
@@ -127,6 +149,18 @@ class Decoder:
         # fail now, not at the first request; the one place a policy may extend the calibrated range (T(M) up to
         # its max + 1): requests never calibrate (see _policy)
         self._policy(policy, list(self.drafters), calibrate=True)
+
+    def _drafter(self, item: str | Drafter | tuple, dtype: str) -> Drafter:
+        """A pool entry: a spec, a drafter object, or a (model, tokenizer) pair (an `lm:` drafter as it is)."""
+        if isinstance(item, str):
+            return build_drafter(item, self.target, dtype)
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], torch.nn.Module):
+            return model_drafter(item[0], item[1], self.target)
+        if isinstance(item, torch.nn.Module):
+            raise ValueError("a model object in the drafter pool goes with its tokenizer: (model, tokenizer)")
+        if isinstance(item, Drafter):
+            return item
+        raise ValueError(f"a drafter is a spec, a Drafter object or a (model, tokenizer) pair, got {item!r}")
 
     @property
     def drafter_names(self) -> list[str]:
@@ -163,8 +197,11 @@ class Decoder:
         raw: bool = False,
         policy: str | None = None,
         drafters: Sequence[str] | None = None,
+        generation_config: GenerationConfig | None = None,
     ) -> Generation:
-        """An iterable generation: each step yields the tokens one round added. Validates everything first."""
+        """An iterable generation: each step yields the tokens one round added. Validates everything first.
+        generation_config: a transformers `GenerationConfig` standing in for the model's own: its end-of-sequence
+        ids and logits processors (repetition penalty, ...) apply; sampling comes from the arguments above."""
         params = SamplingParams(temperature, top_k, top_p, seed if seed is not None else self.seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -181,7 +218,7 @@ class Decoder:
         pool = [self.drafters[n] for n in names]
         regime = "greedy" if params.greedy else "sampled"
         chosen = self._policy(policy or self.default_policy, names, regime)
-        return Generation(self, ids, max_new_tokens, params, chosen, pool)
+        return Generation(self, ids, max_new_tokens, params, chosen, pool, generation_config)
 
     def generate(self, prompt: Prompt, **options) -> GenerationResult:
         """Decode to the end. Options are those of `stream`."""
@@ -293,6 +330,7 @@ class Generation:
         params: SamplingParams,
         policy: Policy | None,
         pool: list[Drafter],
+        generation_config: GenerationConfig | None = None,
     ):
         self.decoder = decoder
         self.prompt = prompt
@@ -312,7 +350,10 @@ class Generation:
         self._started: float | None = None
         self._finished = False
         # the logits processors the target's generation config makes its own generate() apply (None: none)
-        self.processors = target_processors(decoder.target.model, len(prompt), max_new_tokens, decoder.target.spec)
+        model, spec = decoder.target.model, decoder.target.spec
+        self.processors = target_processors(model, len(prompt), max_new_tokens, spec, generation_config)
+        eos = None if generation_config is None else generation_config.eos_token_id
+        self.eos_token_ids = decoder.target.eos_token_ids if eos is None else frozenset(_ids(eos))
         self._iter = self._rounds()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -418,6 +459,7 @@ class Generation:
         record the round. prefilled: the forward also took in the prompt; alone: it verified this request only
         (then it measures T(M); a batch's forward measures the batch's costs). Returns the tokens added."""
         policy, clock, tree, draft, arm = self.policy, turn.clock, turn.tree, turn.draft, turn.arm
+        clock.accepting = time.perf_counter()
         verdict, p = self._accept(logits, tree)
         clock.verified = time.perf_counter()
         path = tree.path_tokens(verdict.path)
@@ -521,7 +563,7 @@ class Generation:
         if costs is None:
             return {"draft_time": draft_time, "verify_time": verify_time, "plain_step_time": 0.0}
         if prefilled:
-            verify_time = costs.target(verified + 1) + (clock.verified - clock.forwarded)
+            verify_time = costs.target(verified + 1) + clock.accept_seconds
         if arm is not None and fresh[arm]:
             draft_time = draft.forwards * costs.drafter(self.pool[arm].name).step_time(costs.target(1))
         return {"draft_time": draft_time, "verify_time": verify_time, "plain_step_time": costs.target(1)}
@@ -595,7 +637,7 @@ class Generation:
             or not self.policy.extends
             or not draft.tokens
             or len(draft.tokens) >= limit
-            or self.decoder.target.eos_token_ids.intersection(draft.tokens)
+            or self.eos_token_ids.intersection(draft.tokens)
         ):
             return draft, None
         after, _ = self._proposals(context + draft.tokens, limit - len(draft.tokens))
@@ -608,11 +650,18 @@ class Generation:
     def _emit(self, verified: list[int]) -> list[int]:
         """What the output takes of a round's tokens: up to max_new_tokens, and up to an end-of-sequence token."""
         new = verified[: self.max_new_tokens - len(self.token_ids)]
-        stop = next((i for i, t in enumerate(new) if t in self.decoder.target.eos_token_ids), None)
+        stop = next((i for i, t in enumerate(new) if t in self.eos_token_ids), None)
         if stop is not None:
             self.finish_reason = "stop"
             return new[: stop + 1]
         return new
+
+
+def _ids(ids: int | Sequence[int] | torch.Tensor) -> list[int]:
+    return [
+        int(i)
+        for i in (ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ([ids] if isinstance(ids, int) else ids))
+    ]
 
 
 def _deterministic(drafter: Drafter, draft: Draft) -> Draft:

@@ -33,11 +33,13 @@ def _unsupported(config: object) -> str | None:
     return None
 
 
-def target_processors(model: torch.nn.Module, prompt_len: int, max_new_tokens: int, spec: str = "the target"):
+def target_processors(
+    model: torch.nn.Module, prompt_len: int, max_new_tokens: int, spec: str = "the target", generation_config=None
+):
     """The `LogitsProcessorList` that generate(input_ids, max_new_tokens=...) builds from the model's generation
-    config for a prompt of prompt_len tokens (warpers left out), or None when it is empty. Raises ValueError for a
-    setting that cannot be applied row by row, saying how to clear it."""
-    config = copy.deepcopy(model.generation_config)
+    config (or `generation_config`, standing in for it) for a prompt of prompt_len tokens (warpers left out), or
+    None when it is empty. Raises ValueError for a setting that cannot be applied row by row, saying how to clear it."""
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     setting = _unsupported(config)
     if setting is not None:
         why, cleared = UNSUPPORTED[setting]

@@ -3,6 +3,7 @@ cancelled, one is cut by its caller as a stop string would cut it) leave every o
 exactly what it is decoding alone, with drafting forced on for every row and off; sampled output in a batch keeps
 the target's distribution; and the batch decision drafts for everyone on a flat T and stops as T(B, W) grows."""
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -14,6 +15,8 @@ from test_sampling_distribution import DRAWS, PARAMS, PROMPT, _decoder, exact_pa
 from metasd import Decoder
 from metasd.batching.batch import Batch
 from metasd.batching.decision import Plan, decide
+from metasd.cached_model import CachedModel
+from metasd.drafters.eagle import EagleDrafter
 from metasd.engine import Generation
 from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
 from metasd.policy.adaptive import AdaptivePolicy, Option
@@ -42,15 +45,46 @@ def _flat(batch: Batch) -> None:
     batch.costs.widths = lambda size, max_width: [0.03] * max_width
 
 
-@pytest.mark.parametrize("flat", [False, True])
-def test_joining_and_leaving_leaves_every_other_output_as_it_is_alone(decoder, alone, flat):
+def _rising(batch: Batch) -> None:
+    """Each token of a batch forward costs a little: wider rows and fuller batches cost more."""
+    batch.costs.widths = lambda size, max_width: [0.03 * (1 + 0.02 * size * w) for w in range(1, max_width + 1)]
+
+
+class _FeatureSpy:
+    """Records what every EAGLE head's catch-up reads (the context and the target's features it was given), to
+    compare with a lone forward over that context: a row reading another row's or a stale feature shows there."""
+
+    def __init__(self, monkeypatch):
+        self.reads: list[tuple[list[int], torch.Tensor]] = []
+        original = EagleDrafter._catch_up
+
+        def spy(drafter, context, features):
+            self.reads.append((list(context), features.clone()))
+            return original(drafter, context, features)
+
+        monkeypatch.setattr(EagleDrafter, "_catch_up", spy)
+
+    def assert_true_features(self, model, feature_layers=(), required: bool = True) -> None:
+        assert self.reads or not required, "no head drafted"
+        for context, features in self.reads:
+            alone = CachedModel(model, keep_features=True, feature_layers=feature_layers)
+            alone.logits_for(context)
+            assert features.shape[0] >= len(context) - 1
+            want = alone.features_for(context)[: features.shape[0]]
+            torch.testing.assert_close(features, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("costs", "policy"), [(_rising, None), (_flat, None), (_flat, "fixed:eagle")])
+def test_joining_and_leaving_leaves_every_other_output_as_it_is_alone(decoder, alone, costs, policy, monkeypatch):
+    """Rows drafted together (the shipped EAGLE head among the drafters; with fixed:eagle, every row every round)
+    while others joined and left; every feature a head read was its own row's, as a lone forward computes it."""
+    spy = _FeatureSpy(monkeypatch)
     batch = Batch(decoder, max_batch=3)
-    if flat:
-        _flat(batch)
-    one = decoder.stream(PROMPTS[0], max_new_tokens=1)  # ends at its first token
-    cancelled = decoder.stream(PROMPTS[1], max_new_tokens=40)
-    cut = decoder.stream(PROMPTS[2], max_new_tokens=40)  # its caller stops it at 6 tokens, as a stop string would
-    joiners = [decoder.stream(p, max_new_tokens=40) for p in PROMPTS[3:]]
+    costs(batch)
+    one = decoder.stream(PROMPTS[0], max_new_tokens=1, policy=policy)  # ends at its first token
+    cancelled = decoder.stream(PROMPTS[1], max_new_tokens=40, policy=policy)
+    cut = decoder.stream(PROMPTS[2], max_new_tokens=40, policy=policy)  # its caller stops it at 6 tokens
+    joiners = [decoder.stream(p, max_new_tokens=40, policy=policy) for p in PROMPTS[3:]]
     later = list(joiners)
     for request in (one, cancelled, cut):
         batch.join(request)
@@ -72,14 +106,18 @@ def test_joining_and_leaving_leaves_every_other_output_as_it_is_alone(decoder, a
         assert request.token_ids == alone[prompt]
     assert sizes[3] >= 2  # three decoded together for a while
     drafted = sum(n for size, n in batch.stats.drafted.items() if size > 1)
-    if flat:
-        assert drafted > 0  # rows drafted (the EAGLE head among them) and were verified together
+    accepted = sum(n for size, n in batch.stats.accepted.items() if size > 1)
+    assert drafted > 0 and accepted > 0  # rows drafted and were verified together, and drafts were kept
     assert batch.target.active == 0 and not batch.requests
+    spy.reads = spy.reads[:: max(1, len(spy.reads) // 24)]  # a sample: each check is a lone forward
+    spy.assert_true_features(decoder.target.model, required=policy is not None)
 
 
-def test_rows_keep_the_fused_features_a_head_reads_and_outputs_stay_as_alone(embedded, tmp_path):
+def test_rows_keep_the_fused_features_a_head_reads_and_outputs_stay_as_alone(embedded, tmp_path, monkeypatch):
     """A head fusing two decoder layers' outputs with the final norm's (EAGLE-3) drafts for every row of a batch
-    from the features the batched forward keeps per row; each output is what it is alone."""
+    from the features the batched forward keeps per row (each read equal to a lone forward's, both layers and the
+    final norm); each output is what it is alone."""
+    spy = _FeatureSpy(monkeypatch)
     torch.manual_seed(0)
     head = EagleHead(head_config_for(embedded.model, 8192, (1, 14)), torch.arange(8192))  # untrained
     save_head(tmp_path, head, "test", TargetCheck.of(embedded.model), {})
@@ -96,6 +134,8 @@ def test_rows_keep_the_fused_features_a_head_reads_and_outputs_stay_as_alone(emb
         batch.step()
     assert [r.token_ids for r in requests] == [alone[p] for p in PROMPTS[:3]]
     assert sum(n for size, n in batch.stats.drafted.items() if size > 1) > 0
+    spy.reads = [(c, f) for c, f in spy.reads if f.shape[1] == 3 * embedded.model.config.hidden_size][-12:]
+    spy.assert_true_features(embedded.model, (1, 14))
 
 
 def test_a_batch_that_cannot_gain_from_drafting_skips_the_proposals(decoder, alone, monkeypatch):
@@ -144,6 +184,27 @@ def test_sampled_output_in_a_batch_follows_the_targets_distribution(pair):
     assert batched_rounds >= DRAWS
     stat, df = chi2(counts, exact_pairs(target), DRAWS)
     assert stat < chi2_bound(df), (stat, df)
+
+
+def test_each_requests_verify_time_is_the_forward_and_its_own_acceptance(decoder, monkeypatch):
+    """Requests conclude one after another; one's verify time must not count the acceptance and learning of the
+    requests concluded before it (a cost-aware policy would read them as a slow round and favour slow drafters)."""
+    original = AdaptivePolicy.feedback
+
+    def slow_feedback(policy, outcome):
+        time.sleep(0.05)
+        return original(policy, outcome)
+
+    monkeypatch.setattr(AdaptivePolicy, "feedback", slow_feedback)
+    batch = Batch(decoder, max_batch=3)
+    _flat(batch)
+    requests = [decoder.stream(p, max_new_tokens=8) for p in PROMPTS[:3]]
+    for request in requests:
+        batch.join(request)
+    batch.step()
+    batch.step()
+    times = [request.stats.rounds[-1].verify_time for request in requests]
+    assert max(times) - min(times) < 0.02, times
 
 
 def _option(arm: int, accept: float, m: int = 6, step: float = 0.0) -> Option:

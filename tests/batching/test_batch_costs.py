@@ -3,8 +3,10 @@ and the disk cache (a tiny model: calibration takes milliseconds)."""
 
 import torch
 from helpers import tiny_llama
+from test_batch import _option
 
 from metasd.batching.costs import BatchCost, batch_sizes, load_or_calibrate_batch
+from metasd.batching.decision import Plan, decide
 from metasd.costs import CostModel, TargetCost
 
 
@@ -34,3 +36,18 @@ def test_calibration_is_cached_per_model_and_sizes(tmp_path, monkeypatch):
     files = list((tmp_path / "calibration").glob("*-batch.json"))
     assert len(files) == 1
     assert load_or_calibrate_batch("tiny", model, max_batch=4, max_width=3) == tables  # read back, not measured
+
+
+def test_widths_no_round_measured_follow_those_measured():
+    """Nothing forces a plain round in a batch: with widths 2-4 measured at twice their calibrated time and none
+    at width 1, the unmeasured widths must not keep idle-machine values that make them look half price. The
+    decision on the refined table is the decision on the true one."""
+    calibrated = [0.02, 0.021, 0.022, 0.023, 0.05, 0.07]
+    cost = BatchCost(CostModel(TargetCost([0.01] * 6)), {2: calibrated}, max_batch=2)
+    for _ in range(TargetCost.TRUSTED):
+        for width in (2, 3, 4):
+            cost.observe(2, width, 2 * calibrated[width - 1])
+    plans = [Plan([_option(0, 0.7)]) for _ in range(2)]
+    truth = decide(plans, [2 * t for t in calibrated])
+    assert 2 <= truth.width <= 4
+    assert decide(plans, cost.widths(2, 6)).choices == truth.choices

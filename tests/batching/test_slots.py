@@ -6,9 +6,10 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from metasd.batching.slots import BatchedTarget
+from metasd.batching.slots import BatchedTarget, check_batched_logits
 from metasd.cached_model import CachedModel
 from metasd.drafters.base import Draft
+from metasd.models.loading import context_length
 from metasd.tree import DraftTree
 
 
@@ -89,3 +90,146 @@ def test_a_full_batch_and_a_sliding_window_model_are_refused(model):
     sliding = tiny_llama(layers=2, layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(ValueError, match="full attention"):
         BatchedTarget(sliding, rows=2)
+
+
+def _two_rows_against_alone(model, contexts, drafts):
+    """Each row's logits in one batched forward, and the model's own forward over that row alone."""
+    batch = BatchedTarget(model, rows=len(contexts), capacity=8)
+    rows = [batch.add_row() for _ in contexts]
+    for row, context in zip(rows, contexts, strict=True):
+        batch.prefill(row, context)
+    trees = [DraftTree.chain(Draft(d)) for d in drafts]
+    got = batch.forward(list(zip(rows, contexts, trees, strict=True)))
+    want = [
+        model(input_ids=torch.tensor([c + d])).logits[0, len(c) - 1 :] for c, d in zip(contexts, drafts, strict=True)
+    ]
+    return got, want
+
+
+def _granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, logits_scaling=8.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.3,
+    )  # fmt: skip
+    return GraniteForCausalLM(config).eval()
+
+
+def _cohere():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    config = CohereConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, logit_scale=0.25,
+    )  # fmt: skip
+    return CohereForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("build", [_granite, _cohere], ids=["granite-logits-scaling", "cohere-logit-scale"])
+def test_logits_are_the_models_own_where_it_scales_them(build):
+    """Granite divides its logits by `logits_scaling`, Cohere multiplies them by `logit_scale`: the head alone
+    would sample from softmax(8 x logits / T). The batch's logits are the model's own forward's (and CachedModel's)."""
+    torch.manual_seed(0)
+    model = build()
+    got, want = _two_rows_against_alone(model, [[1, 5, 7, 9, 11, 2], [7, 3]], [[4, 6], [9]])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], _alone(model, [7, 3], DraftTree.chain(Draft([9]))), atol=1e-5, rtol=1e-5)
+    check_batched_logits(model)  # and it passes the start-up check
+
+
+def test_a_model_the_slots_decode_unlike_itself_is_refused_at_start_up():
+    """What no rule foresaw (here a forward that adds a term growing with its input's length) is caught by
+    comparing the batched path with the model's own forward on a few tokens."""
+    from transformers import LlamaForCausalLM
+
+    class Odd(LlamaForCausalLM):
+        def forward(self, input_ids=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            out.logits = out.logits + 0.5 * input_ids.shape[1]
+            return out
+
+    torch.manual_seed(0)
+    model = Odd(tiny_llama().config).eval()
+    with pytest.raises(ValueError, match="differ from the model's own forward"):
+        check_batched_logits(model)
+
+
+def _longrope_phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    half = 16 // 2 // 2  # head_dim / 2 factors
+    config = Phi3Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+                         "long_factor": [4.0] * half, "original_max_position_embeddings": 16},
+        pad_token_id=0,
+    )  # fmt: skip
+    return Phi3ForCausalLM(config).eval()
+
+
+def test_longrope_models_are_decoded_within_the_context_their_short_factors_cover():
+    """LongRoPE picks short or long frequencies from the forward's largest position: a 40-token row would switch
+    a 5-token row's frequencies. Such a model is decoded within `original_max_position_embeddings` (its
+    context for metasd), a forward past it refused; within it each row's logits are its logits alone."""
+    torch.manual_seed(0)
+    model = _longrope_phi3()
+    assert context_length(model.config) == 16
+    batch = BatchedTarget(model, rows=2)
+    long, short = batch.add_row(), batch.add_row()
+    with pytest.raises(ValueError, match="past the 16 positions"):
+        batch.forward([(long, list(range(1, 41)), DraftTree()), (short, [1, 2, 3, 4, 5], DraftTree())])
+    with pytest.raises(ValueError, match="past the 16 positions"):  # a draft crossing it
+        batch.forward([(long, list(range(1, 14)), DraftTree.chain(Draft([7, 8, 9, 10])))])
+    got, want = _two_rows_against_alone(model, [list(range(1, 13)), [1, 2, 3, 4, 5]], [[3, 4, 5], [6]])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_slots_grow_no_further_than_the_context_and_shrink_when_the_long_request_leaves():
+    torch.manual_seed(0)
+    model = tiny_llama(layers=1, positions=300)
+    batch = BatchedTarget(model, rows=2, keep_features=True, capacity=16)
+    short, long = batch.add_row(), batch.add_row()
+    batch.prefill(short, [1, 2, 3])
+    context = torch.randint(0, 64, (295,)).tolist()
+    batch.prefill(long, context)  # near the limit: doubling 16 -> 512 would pass 300
+    batch.forward([(short, [1, 2, 3], DraftTree()), (long, context, DraftTree.chain(Draft([4, 5, 6, 7])))])
+    assert 295 + 4 <= batch.slots.capacity <= 300 + 4
+    assert batch.features.shape[1] == batch.slots.capacity
+    batch.remove_row(long)
+    assert batch.slots.capacity == 16 and batch.features.shape[1] == 16  # back to what the short row needs
+    logits = batch.forward([(short, [1, 2, 3, 9], DraftTree())])[0]
+    torch.testing.assert_close(logits, _alone(model, [1, 2, 3, 9], DraftTree()), atol=1e-5, rtol=1e-5)
+
+
+_PEAK = """
+import resource, sys, torch
+sys.path.insert(0, {tests!r})
+from helpers import tiny_llama
+from metasd.batching.slots import BatchedTarget
+torch.manual_seed(0)
+model = tiny_llama(layers=1, positions=4200)
+batch = BatchedTarget(model, rows=1, capacity=4200)
+row = batch.add_row()
+batch.prefill(row, torch.randint(0, 64, (300,)).tolist())  # warm: kernels, allocator
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+batch.prefill(row, torch.randint(0, 64, (4096,)).tolist())
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+def test_a_long_prefill_needs_no_prompt_by_prompt_mask():
+    """Peak memory of a 4,096-token prefill (tiny model: its KV slots are 4 MB): a [4096, 4096] mask in float32 is
+    64 MB, and a bool and two floats of it, plus attention scores, over 150 MB. In chunks: under 48 MB."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _PEAK.format(tests=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    peak_mb = float(out.stdout.strip().splitlines()[-1])
+    assert peak_mb < 48, peak_mb

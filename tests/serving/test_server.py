@@ -12,7 +12,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from metasd import Decoder
+from metasd import Decoder, Draft
 from metasd.serving.background import running
 from metasd.serving.server import _sendable, create_app
 
@@ -407,7 +407,50 @@ def test_a_client_leaving_the_queue_gives_its_place_back_at_once(small):
             assert queued.result(timeout=60).status_code == 200
 
 
-def test_a_bug_finishing_one_request_fails_it_alone(embedded):
+class _EndFails:
+    """A free drafter that never proposes, whose `end` raises while `failures` is positive (shared by the copies a
+    batch makes for each request)."""
+
+    name, has_cache = "ends-badly", False
+
+    def __init__(self):
+        self.failures = [0]
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, context, k, params, generator):
+        return Draft([])
+
+    def end(self, context):
+        if self.failures[0] > 0:
+            self.failures[0] -= 1
+            raise RuntimeError("a drafter's end failed")
+
+
+@pytest.mark.parametrize("how", ["length", "stop-string"])
+def test_a_request_whose_leaving_raises_fails_alone_and_the_worker_goes_on(embedded, reference, how):
+    """A drafter's `end` raising while a request leaves the batch (it reached max_tokens, or a stop string cut it):
+    that request gets 500, the batch keeps no request nobody tracks, and the next requests are served."""
+    drafter = _EndFails()
+    decoder = Decoder(drafters=["ngram", drafter])
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    if how == "stop-string":
+        text = reference.generate(PROMPT, max_new_tokens=12, raw=True, drafters=["ngram"]).text
+        body["stop"] = [text.split()[1]]  # a word inside the output: the server cuts the request there
+    with running(create_app(decoder, max_queue=4, max_batch=2)) as url:
+        drafter.failures[0] = 1
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "a drafter's end failed" in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+        with ThreadPoolExecutor(2) as pool:  # two together, then the batch is empty again
+            replies = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60), range(2)))
+        assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        assert health["status"] == "ok" and health["running"] == 0, health
+
+
+def test_a_bug_detokenizing_one_request_fails_it_alone(embedded):
     decoder = Decoder(drafters=POOL)
     decode, broken = decoder.decode, threading.Event()
 

@@ -28,7 +28,7 @@ from ..policy.adaptive import AdaptivePolicy
 from ..policy.base import ArmStats, state_delta
 from .costs import BatchCost, load_or_calibrate_batch
 from .decision import Plan, decide
-from .slots import BatchedTarget
+from .slots import BatchedTarget, check_batched_logits
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Batch:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.decoder = decoder
         self.max_batch = max_batch
+        check_batched_logits(decoder.target.model)  # a model the slots would decode unlike itself: refused now
         readers = [d for d in decoder.drafters.values() if getattr(d, "reads_target_features", False)]
         self.target = BatchedTarget(
             decoder.target.model,
@@ -64,6 +65,7 @@ class Batch:
             tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, widths)
         self.costs = BatchCost(costs, tables, max_batch)
         self.requests: list[Generation] = []
+        self.failed: list[tuple[Generation, Exception]] = []  # the last step's requests whose leaving raised
         self.stats = BatchStats()
         self.last = (0, 0, 0)  # the last round's batch size, tokens drafted, tokens accepted
         # id(request) -> the decoder's policy its copy came from, and a bandit's statistics when it was copied
@@ -102,20 +104,27 @@ class Batch:
         self.requests.append(request)
 
     def leave(self, request: Generation) -> None:
-        """The request ends now (finished, or abandoned): drafters and policy see its end, its row is freed."""
+        """The request ends now (finished, or abandoned): drafters and policy see its end, its row is freed. What
+        a drafter's or the policy's end raises is raised after the request has left all the same: the batch never
+        keeps a request its caller no longer tracks."""
         if request not in self.requests:
             return
-        request.finish()
-        shared, start = self._policies.pop(id(request), (None, None))
-        if start is not None:  # a bandit's statistics: add what this request learned to what the others added
-            shared.merge(state_delta(request.policy.state(), start))
-        elif shared is not None:  # what the request learned, for the requests after it
-            vars(shared).update({k: v for k, v in vars(request.policy).items() if k != "costs"})
-        self.target.remove_row(request.target)
-        self.requests.remove(request)
+        try:
+            request.finish()
+        finally:
+            shared, start = self._policies.pop(id(request), (None, None))
+            if start is not None:  # a bandit's statistics: add what this request learned to what the others added
+                shared.merge(state_delta(request.policy.state(), start))
+            elif shared is not None:  # what the request learned, for the requests after it
+                vars(shared).update({k: v for k, v in vars(request.policy).items() if k != "costs"})
+            self.target.remove_row(request.target)
+            self.requests.remove(request)
 
     def step(self) -> list[tuple[Generation, list[int]]]:
-        """One round for every request in flight: the tokens each one added. Requests that ended have left."""
+        """One round for every request in flight: the tokens each one added. Requests that ended have left; one
+        whose leaving raised (a drafter's `end`, the policy's `finish`) is in `failed` with its error, for its caller
+        to fail that request alone."""
+        self.failed = []
         if not self.requests:
             return []
         if len(self.requests) == 1:
@@ -126,7 +135,10 @@ class Batch:
             out = self._round()
         for request, _ in out:
             if request.done:
-                self.leave(request)
+                try:
+                    self.leave(request)
+                except Exception as err:
+                    self.failed.append((request, err))
         return out
 
     def _round(self) -> list[tuple[Generation, list[int]]]:

@@ -46,7 +46,7 @@ class BatchCost:
             upper = min((s for s in known if s >= b), default=known[-1])
             share = 0.0 if upper == lower else (b - lower) / (upper - lower)
             table = [(1 - share) * lo + share * hi for lo, hi in zip(tables[lower], tables[upper], strict=True)]
-            self.by_size[b] = TargetCost(table)
+            self.by_size[b] = TargetCost(table, plain_steps=False)  # no batch round is forced plain
 
     def __call__(self, size: int, width: int) -> float:
         return self.costs.target(width) if size <= 1 else self.by_size[min(size, self.max_batch)](width)
@@ -71,22 +71,23 @@ def calibrate_batch(model: torch.nn.Module, sizes: Sequence[int], max_width: int
     out = {}
     for size in sizes:
         target = BatchedTarget(model, rows=size, capacity=CONTEXT + max_width + 1)
+        cached = max(min(CONTEXT, target.context - max_width - 1), 0)  # a model with a short context: what fits
         rows = [target.add_row() for _ in range(size)]
-        contexts = [torch.randint(0, vocab, (CONTEXT + max_width,), generator=gen).tolist() for _ in rows]
+        contexts = [torch.randint(0, vocab, (cached + max_width,), generator=gen).tolist() for _ in rows]
         for row, context in zip(rows, contexts, strict=True):
-            target.prefill(row, context[: CONTEXT + 1])
+            target.prefill(row, context[: cached + 1])
         times: list[list[float]] = [[] for _ in range(max_width)]
         for rep in range(reps + 1):
             for width in range(1, max_width + 1):
                 items = [
-                    (row, c[: CONTEXT + 1], DraftTree.chain(Draft(c[CONTEXT + 1 : CONTEXT + width])))
+                    (row, c[: cached + 1], DraftTree.chain(Draft(c[cached + 1 : cached + width])))
                     for row, c in zip(rows, contexts, strict=True)
                 ]
                 start = time.perf_counter()
                 target.forward(items)
                 elapsed = time.perf_counter() - start
                 for row, c in zip(rows, contexts, strict=True):
-                    target.settle(row, c[: CONTEXT + 1])
+                    target.settle(row, c[: cached + 1])
                 if rep:
                     times[width - 1].append(elapsed)
         out[size] = [statistics.median(t) for t in times]

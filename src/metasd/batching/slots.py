@@ -18,6 +18,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cached_model import common_prefix, feature_tap
+from ..drafters.base import Draft
+from ..models.loading import context_length
+from ..models.logits import ModelHead
 from ..tree import DraftTree
 
 
@@ -39,13 +42,11 @@ class _SlotLayer(CacheLayerMixin):
         self.device = key_states.device
         self.is_initialized = True
 
-    def grow(self, capacity: int) -> None:
-        if self.is_initialized and self.keys.shape[2] < capacity:
+    def resize(self, capacity: int) -> None:
+        """Slots for `capacity` positions per row, what the first min(old, new) held kept."""
+        if self.is_initialized and self.keys.shape[2] != capacity:
             for name in ("keys", "values"):
-                old = getattr(self, name)
-                new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
-                new[:, :, : old.shape[2]] = old
-                setattr(self, name, new)
+                setattr(self, name, _resized(getattr(self, name), 2, capacity))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -82,11 +83,19 @@ class _Slots(Cache):
         self.write_index = torch.zeros(0, 0, dtype=torch.long)
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
-    def grow(self, capacity: int) -> None:
-        if capacity > self.capacity:
-            self.capacity = max(capacity, 2 * self.capacity)
-            for layer in self.layers:
-                layer.grow(self.capacity)
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        for layer in self.layers:
+            layer.resize(capacity)
+
+
+def _resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`tensor` with `size` entries along `dim`: its first ones copied, zeros after."""
+    shape = list(tensor.shape)
+    keep, shape[dim] = min(shape[dim], size), size
+    out = tensor.new_zeros(shape)
+    out.narrow(dim, 0, keep).copy_(tensor.narrow(dim, 0, keep))
+    return out
 
 
 class Row:
@@ -125,7 +134,13 @@ class Row:
 
 class BatchedTarget:
     """The target model over rows of slots: `forward` verifies each row's draft tree after its context, all rows in
-    one model call. Rows in one call must be consecutive (the whole batch, or one row for a prefill)."""
+    one model call. Rows in one call must be consecutive (the whole batch, or one row for a prefill).
+
+    Memory: a row's slots and features grow with its context, up to the model's context (`context_length`) and a
+    round's width past it, and shrink again once the longest request has left; a prompt is prefilled in chunks of
+    `PREFILL_CHUNK` tokens, so no mask or attention score is ever [prompt, prompt]."""
+
+    PREFILL_CHUNK = 256
 
     def __init__(
         self,
@@ -138,13 +153,13 @@ class BatchedTarget:
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         config = model.config
-        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-            raise ValueError("batched decoding reads logits from the model's head directly; this model transforms them")
         if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
             raise ValueError("batched decoding needs a model whose layers all use full attention (no sliding window)")
-        self.model, self.body, self.head = model, model.get_decoder(), model.get_output_embeddings()
+        self.model, self.body, self.head = model, model.get_decoder(), ModelHead(model)
+        self.context = context_length(config)  # the largest position + 1 any forward may use
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.initial_capacity = capacity
         self.slots = _Slots(config.num_hidden_layers, rows, capacity)
         self.keep_features = keep_features  # as `CachedModel` keeps them
         self.feature_layers = tuple(feature_layers)
@@ -167,7 +182,8 @@ class BatchedTarget:
 
     @torch.inference_mode()
     def remove_row(self, row: Row) -> None:
-        """Free a row; the last row in use moves into its place (its slots copied once), keeping rows consecutive."""
+        """Free a row; the last row in use moves into its place (its slots copied once), keeping rows consecutive.
+        Slots that only the row's context needed are given back."""
         last = self.active - 1
         if self.rows[row.index] is not row:
             raise ValueError("this row is not in use")
@@ -181,6 +197,14 @@ class BatchedTarget:
             self.rows[row.index] = moved
         self.rows[last] = None
         row.index = -1
+        longest = max((len(r.tokens) + (r.tree.size if r.tree else 0) for r in self.rows if r), default=0)
+        if self.slots.capacity > max(self.initial_capacity, 4 * longest):
+            self._resize(max(self.initial_capacity, 2 * longest))
+
+    def _resize(self, capacity: int) -> None:
+        self.slots.resize(capacity)
+        if self.features is not None:
+            self.features = _resized(self.features, 1, capacity)
 
     # --- the forward -----------------------------------------------------------------------------------------------
 
@@ -204,8 +228,10 @@ class BatchedTarget:
     @torch.inference_mode()
     def prefill(self, row: Row, context: list[int]) -> None:
         """Cache all of `context` but its last token in this row alone, so that a round that follows feeds this
-        request one token plus its draft, like every other row (a long prompt is one forward, not a wide batch)."""
-        self._run([(row, context[:-1], DraftTree())], logits=False)
+        request one token plus its draft, like every other row (a long prompt is chunks of this row, not a wide
+        batch)."""
+        for end in range(self.PREFILL_CHUNK, len(context) - 1 + self.PREFILL_CHUNK, self.PREFILL_CHUNK):
+            self._run([(row, context[: min(end, len(context) - 1)], DraftTree())], logits=False)
 
     @torch.inference_mode()
     def forward(self, items: list[tuple[Row, list[int], DraftTree]]) -> list[torch.Tensor]:
@@ -220,6 +246,12 @@ class BatchedTarget:
         first = items[0][0].index
         if [row.index for row, _, _ in items] != list(range(first, first + len(items))):
             raise ValueError("rows verified in one forward must be consecutive")
+        for _, context, tree in items:
+            if len(context) + max(tree.depths, default=-1) + 1 > self.context:
+                raise ValueError(
+                    f"a forward over {len(context)} tokens and a draft {max(tree.depths, default=-1) + 1} deep "
+                    f"reaches past the {self.context} positions this model is decoded within (`context_length`)"
+                )
         feeds, keeps = [], []
         for row, context, _ in items:
             self.settle(row, context)
@@ -246,7 +278,8 @@ class BatchedTarget:
     def _body(self, items, feeds: list[list[int]], keeps: list[int], width: int) -> torch.Tensor:
         """The decoder's final hidden states [rows, width, d] for every row's feed and tree, padded to `width`."""
         n, span = len(items), max(keeps) + width
-        self.slots.grow(span)
+        if span > self.slots.capacity:  # doubling, but never past what the model's context needs
+            self._resize(max(span, min(2 * self.slots.capacity, self.context)))
         ids = torch.zeros(n, width, dtype=torch.long)
         positions = torch.zeros(n, width, dtype=torch.long)
         mask = torch.full((n, 1, width, span), torch.finfo(self.dtype).min, dtype=self.dtype)
@@ -256,7 +289,7 @@ class BatchedTarget:
             ids[b, :fed] = torch.tensor(feed + tree.tokens, dtype=torch.long)
             row_mask, row_positions = tree.attention(keep, len(feed), self.dtype)
             mask[b, 0, :fed, : keep + fed] = row_mask[0, 0]
-            positions[b] = keep + torch.arange(width)
+            positions[b] = (keep + torch.arange(width)).clamp(max=self.context - 1)  # padding stays in range
             positions[b, :fed] = row_positions[0]
         first = items[0][0].index
         self.slots.first, self.slots.span = first, span
@@ -277,10 +310,40 @@ class BatchedTarget:
 
     def _keep_features(self, hidden: torch.Tensor, first: int) -> None:
         rows, width, dim = hidden.shape
-        if self.features is None or self.features.shape[1] < self.slots.capacity:
-            grown = hidden.new_zeros(len(self.rows), self.slots.capacity, dim)
-            if self.features is not None:
-                grown[:, : self.features.shape[1]] = self.features
-            self.features = grown
+        if self.features is None or self.features.shape[1] != self.slots.capacity:
+            features = hidden.new_zeros(len(self.rows), self.slots.capacity, dim)
+            self.features = features if self.features is None else _resized(self.features, 1, self.slots.capacity)
         index = self.slots.write_index[:, :, None].expand(rows, width, dim)
         self.features[first : first + rows].scatter_(1, index, hidden)
+
+
+@torch.inference_mode()
+def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None) -> None:
+    """Refuse, with a clear error, a model whose logits through the batch's slots are not its own forward's: two
+    rows of different lengths (a chain draft each) against `model(...)` over each row alone. Whatever an
+    architecture does that the slots do not reproduce (a transform after the body that `ModelHead` misses, an
+    attention that ignores the 4D mask, positions that reach across rows) shows here, at start-up, instead of as
+    a silently different distribution. tolerance: of the largest logit (default 1e-3 in float32, 5e-2 in 16 bits)."""
+    dtype = next(model.parameters()).dtype
+    tolerance = tolerance if tolerance is not None else (1e-3 if dtype == torch.float32 else 5e-2)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 4)]
+    drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in (2, 4)]
+    target = BatchedTarget(model, rows=2, capacity=16)
+    rows = [target.add_row() for _ in contexts]
+    for row, context in zip(rows, contexts, strict=True):
+        target.prefill(row, context)
+    items = [(row, c, DraftTree.chain(Draft(d))) for row, c, d in zip(rows, contexts, drafts, strict=True)]
+    device = next(model.parameters()).device
+    for got, context, draft in zip(target.forward(items), contexts, drafts, strict=True):
+        ids = torch.tensor([context + draft], device=device)
+        want = model(input_ids=ids, use_cache=False).logits[0, len(context) - 1 :].float().cpu()
+        error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        if not error <= tolerance:
+            raise ValueError(
+                f"{type(model).__name__}: logits computed for a batch of rows differ from the model's own forward "
+                f"by {error:.3g} of the largest logit (allowed {tolerance:g}); batched decoding would sample from "
+                "another distribution, so this model cannot be served with --max-batch > 1 (serve it with "
+                "--max-batch 1 or decode with Decoder.generate)"
+            )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..models.int8_weights import WEIGHTS, split_weights
-from ..models.loading import LoadedModel, load_model, same_tokenizer
+from ..models.loading import LoadedModel, adopt_model, load_model, same_tokenizer
 from .base import Draft, Drafter
 from .datastore import DatastoreDrafter, load_datastore
 from .eagle import build_eagle, shipped_head
@@ -24,7 +24,16 @@ DRAFTER_KINDS = (
 # (where metasd ships one: `default_pool` drops it otherwise) and the model-free copy drafters (docs/decisions.md).
 DEFAULT_POOL = ("eagle", "ngram", "suffix")
 
-__all__ = ["DEFAULT_POOL", "DRAFTER_KINDS", "Draft", "Drafter", "build_drafter", "default_pool", "parse_drafters"]
+__all__ = [
+    "DEFAULT_POOL",
+    "DRAFTER_KINDS",
+    "Draft",
+    "Drafter",
+    "build_drafter",
+    "default_pool",
+    "model_drafter",
+    "parse_drafters",
+]
 
 
 def default_pool(target: LoadedModel) -> list[str]:
@@ -77,6 +86,18 @@ def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Dra
         store.check_tokenizer(target.tokenizer, f"the target {target.spec!r}")
         return DatastoreDrafter(store, name=spec)
     raise ValueError(f"unknown drafter {spec!r}; choose from {', '.join(DRAFTER_KINDS)}")
+
+
+def model_drafter(model: object, tokenizer: object, target: LoadedModel) -> Drafter:
+    """An `lm:` drafter from a model object its caller loaded (with its tokenizer), drafting on it as it is: the
+    checks of `lm:MODEL` (a causal LM, full attention, the target's vocabulary) and no copy of the weights."""
+    drafter = adopt_model(model, tokenizer, role="drafter")
+    if not same_tokenizer(drafter.tokenizer, target.tokenizer):
+        raise ValueError(
+            f"drafter {drafter.spec!r} uses a different tokenizer than the target {target.spec!r}; "
+            "a drafter must share the target's vocabulary"
+        )
+    return ModelDrafter(model, name=f"lm:{drafter.spec}", vocab_size=target.vocab_size, weights="unquantized")
 
 
 def parse_drafters(specs: str | list[str] | tuple[str, ...]) -> list[str]:

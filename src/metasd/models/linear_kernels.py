@@ -60,6 +60,8 @@ def install(model: torch.nn.Module, choice: Sequence[str]) -> None:
     if unknown:
         raise ValueError(f"unknown linear kernels {sorted(unknown)}; choose from {KERNELS}")
     weight_major = [kernel == "weight-major" for kernel in choice]
+    if not any(weight_major) and installed(model) is None:  # torch's own everywhere: a model never routed is left
+        return  # as it is (a caller's own model object, `Decoder(target=model)`)
     for layer in model.modules():
         if type(layer) in (torch.nn.Linear, RoutedLinear):
             layer.__class__ = RoutedLinear

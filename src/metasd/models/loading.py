@@ -54,7 +54,7 @@ class LoadedModel:
 
     @property
     def max_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return context_length(self.model.config)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -122,6 +122,31 @@ def load_model(spec: str | None = None, dtype: str = "float32", device: str = "a
         return loaded
 
 
+def adopt_model(model: torch.nn.Module, tokenizer: object | None, role: str = "target") -> LoadedModel:
+    """A causal LM object its caller loaded, used as it is (its dtype, device, adapters, no copy of its weights),
+    after the checks a spec's model gets. Its spec, for messages and the calibration cache, is its `name_or_path`."""
+    if not callable(getattr(model, "get_output_embeddings", None)) or getattr(model, "generation_config", None) is None:
+        raise ValueError(
+            f"the {role} object is a {type(model).__name__}, not a transformers causal LM (what "
+            "AutoModelForCausalLM.from_pretrained returns)"
+        )
+    if tokenizer is None or not callable(getattr(tokenizer, "get_vocab", None)):
+        raise ValueError(
+            f"a {role} model object needs its tokenizer beside it (a transformers tokenizer), got {tokenizer!r}"
+        )
+    if model.training:
+        raise ValueError(f"the {role} model is in training mode (dropout on): call model.eval() first")
+    spec = str(getattr(model, "name_or_path", "") or type(model).__name__)
+    check_full_attention(model.config, spec)
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def dtype_name(model: torch.nn.Module) -> str:
+    """The model's dtype as `DTYPES` names it (what drafters built beside it load in)."""
+    dtype = next(model.parameters()).dtype
+    return next((name for name, d in DTYPES.items() if d == dtype), "float32")
+
+
 def load_tokenizer(spec: str | None = None) -> object:
     """The tokenizer alone (a Ray driver that reports on a GPU run may have no GPU): a loaded model's if any."""
     spec = spec or EMBEDDED
@@ -136,6 +161,23 @@ def load_tokenizer(spec: str | None = None) -> object:
         return AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"cannot load the tokenizer of {spec!r}: {err}") from err
+
+
+def context_length(config: object) -> int:
+    """The positions metasd decodes a model within: its `max_position_embeddings`, or for LongRoPE (Phi-3/3.5/4-mini)
+    its `original_max_position_embeddings`. LongRoPE picks its short or long frequencies from the largest position
+    in each forward, so beyond that point one row of a batch would rotate every other row's queries with the other
+    set, and a verification forward crossing it would rotate positions the cache holds with the short set
+    (transformers' own generate re-computes the whole cache there). Within it every forward uses the short set."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = int(getattr(config, "max_position_embeddings", None) or 2048)
+    rope = getattr(config, "rope_parameters", None) or {}
+    for params in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
+        if params.get("rope_type") == "longrope":
+            original = params.get("original_max_position_embeddings")
+            original = original or getattr(config, "original_max_position_embeddings", None) or context
+            context = min(context, int(original))
+    return context
 
 
 def check_full_attention(config: object, spec: str) -> None:

@@ -500,8 +500,14 @@ class _Engine:
         self.metrics.batch_size.observe(size)
         self.metrics.batch_drafted.labels(str(size)).inc(drafted)
         self.metrics.batch_accepted.labels(str(size)).inc(accepted)
+        failed = {id(gen): err for gen, err in self.batch.failed}
         for gen, _ in out:
             progress = self.active[id(gen)]
+            if id(gen) in failed:  # its output is whole, but ending it failed: that request's 500
+                err = failed[id(gen)]
+                log.error("ending a request failed", exc_info=err)
+                self._end(progress, error=ApiError(500, f"internal error: {err}", kind="server_error"))
+                continue
             try:
                 ended = progress.update() or gen.done
             except Exception as err:  # one request's bug (its detokenizing, say) fails that request alone

@@ -1,0 +1,54 @@
+"""The logits a causal LM's own forward makes of final hidden states that a caller computed with its decoder body.
+
+Families differ after the body: Granite divides the logits by `logits_scaling`, HyperCLOVAX multiplies by it,
+Cohere by `logit_scale`, Gemma 2/3 soft-cap them, MiniCPM3 scales the hidden states before the head. A caller that
+ran the body itself (the batch's KV slots, `metasd.batching.slots`, reads the head only at the positions
+verification needs) would sample from another distribution if it applied the LM head alone. Rather than a list of
+such rules, the model's own `forward` runs with its decoder stood in for by the hidden states already computed:
+whatever the forward does after the body is what these logits get. `metasd.batching.slots.check_batched_logits`
+confirms it at start-up on a few tokens, for every architecture.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+
+class _Hidden(torch.nn.Module):
+    """Stands in for a decoder body: answers with the hidden states set before the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, *args, **kwargs) -> BaseModelOutputWithPast:
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+class ModelHead:
+    """`head(hidden [n, d]) -> logits [n, V]` as `model(...)` computes them after its decoder body: the model's own
+    forward, on a shallow twin of the model (same class, the same submodules and weights) whose decoder is a
+    stand-in returning `hidden`. The model itself is never modified."""
+
+    def __init__(self, model: torch.nn.Module):
+        body = model.get_decoder()
+        attribute = next((name for name, child in model.named_children() if child is body), None)
+        if attribute is None:
+            raise ValueError(
+                f"{type(model).__name__}: its decoder (get_decoder()) is not one of its own submodules, so its "
+                "logits cannot be taken the way its forward takes them"
+            )
+        self.body = _Hidden()
+        self.twin = copy.copy(model)
+        self.twin.__dict__["_modules"] = {**model._modules, attribute: self.body}
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.body.hidden = hidden.unsqueeze(0)
+        ids = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)  # read by no decoder
+        try:
+            return self.twin(input_ids=ids, use_cache=False, logits_to_keep=0).logits[0]
+        finally:
+            self.body.hidden = None
