@@ -54,7 +54,8 @@ def main() -> None:
     target_path = Path(sys.argv[1]) if len(sys.argv) > 1 else embedded_path()
     model, tokenizer = load(target_path)
     weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    drafters: list = ["ngram", "suffix"]
+    # the default pool for the embedded model (its shipped EAGLE head included); the copy drafters for another
+    drafters: list = list(metasd.drafters.DEFAULT_POOL) if len(sys.argv) == 1 else ["ngram", "suffix"]
     if len(sys.argv) > 2:
         drafters.append(load(Path(sys.argv[2])))
     inputs = batch(tokenizer)
@@ -81,11 +82,13 @@ def main() -> None:
           f"({hf_seconds / metasd_seconds:.2f}x)")  # fmt: skip
 
     options = {"max_new_tokens": 16, "do_sample": True, "temperature": 0.8, "tokenizer": tokenizer}
-    torch.manual_seed(0)
-    first = metasd.generate(model, **inputs, drafters=drafters, **options)
-    torch.manual_seed(0)
-    again = metasd.generate(model, **inputs, drafters=drafters, **options)
-    print(f"sampling with torch.manual_seed(0) twice: identical {bool(torch.equal(first, again))}")
+    for pool, policy in ((drafters, metasd.engine.DEFAULT_POLICY), (["ngram"], "metasd-ucb")):
+        torch.manual_seed(0)
+        first = metasd.generate(model, **inputs, drafters=pool, policy=policy, **options)
+        torch.manual_seed(0)
+        again = metasd.generate(model, **inputs, drafters=pool, policy=policy, **options)
+        print(f"sampling, {policy} over {[d if isinstance(d, str) else 'lm' for d in pool]}, torch.manual_seed(0) "
+              f"twice: identical {bool(torch.equal(first, again))}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -128,12 +128,13 @@ def test_a_decoder_takes_model_objects_as_target_and_drafter(pair, embedded):
 
     target, target_dir, draft_dir = pair
     drafter = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
-    decoder = Decoder(target=target, tokenizer=embedded.tokenizer, drafters=[(drafter, embedded.tokenizer)],
-                      policy=f"fixed:lm:{draft_dir}")  # fmt: skip
-    assert decoder.target.model is target and decoder.drafters[f"lm:{draft_dir}"].model is drafter
-    result = decoder.generate([5, 6, 7, 8], max_new_tokens=16)
+    decoder = Decoder(target=target, tokenizer=embedded.tokenizer, drafters=[(drafter, embedded.tokenizer)])
+    (name,) = decoder.drafter_names
+    assert decoder.target.model is target and decoder.drafters[name].model is drafter
+    assert name.startswith(f"lm:{draft_dir} (LlamaForCausalLM, ")
+    result = decoder.generate([5, 6, 7, 8], max_new_tokens=16, policy=f"fixed:{name}")
     assert result.token_ids == greedy_reference(target, [5, 6, 7, 8], 16)
-    assert result.stats.to_dict()["drafters"][f"lm:{draft_dir}"]["drafted"] > 0
+    assert result.stats.drafters()[name].drafted > 0
 
 
 def test_model_objects_without_what_they_need_are_refused(pair, embedded):

@@ -9,6 +9,7 @@ from helpers import greedy_reference, tiny_llama
 from transformers import DynamicCache
 
 from metasd import Decoder
+from metasd.cached_model import CachedModel
 from metasd.cli import main
 from metasd.models.eagle_head import EagleHead, head_config_for, load_head
 from metasd.specialists.eagle_corpus import (
@@ -18,7 +19,7 @@ from metasd.specialists.eagle_corpus import (
     refeature_corpus,
     write_corpus,
 )
-from metasd.specialists.eagle_train import TrainConfig, head_passes, train_head
+from metasd.specialists.eagle_train import TrainConfig, head_passes, held_out_metrics, train_head
 
 PROMPTS = ["Name a colour.", "Count to three.", "Say hello.", "What is two plus two?", "Write one word."]
 
@@ -152,23 +153,91 @@ def test_documents_are_read_whole_in_one_prefill(tiny_target, texts_file, tmp_pa
 
 
 @pytest.mark.parametrize("layers", [(), (0,)])
-def test_the_unrolled_pass_computes_what_a_second_draft_step_computes(layers):
-    """Training-time test: the second pass's entry i, fed the head's own prediction of f_i, equals the drafting
-    step that follows a catch-up over the true entries before i (the head's cache as `EagleDrafter` builds it)."""
+def test_every_unrolled_pass_computes_what_the_draft_step_it_stands_for_computes(layers):
+    """Training-time test as deep as drafts go: pass s's entry i, fed pass s - 1's prediction of f_i, equals the
+    step drafting token s after a catch-up over the true entries 0 .. i - s + 1 (the head's cache as `EagleDrafter`
+    builds it) and s - 1 steps from its own predictions."""
     torch.manual_seed(0)
     model = tiny_llama(64, layers=1)
     head = EagleHead(head_config_for(model, 64, layers), torch.arange(64)).eval()
     d = model.config.hidden_size
     feats, embeds = torch.randn(1, 9, d * (len(layers) + 1)), torch.randn(1, 9, d)
     with torch.no_grad():
-        pred, pred2 = head_passes(head, feats, embeds, unroll=2)
-        for i in (1, 4, 8):
+        preds = head_passes(head, feats, embeds, unroll=4)
+        assert len(preds) == 4 and len(head_passes(head, feats, embeds, unroll=1)) == 1
+        for start in (0, 3, 5):  # a draft after true entry `start`
             cache = DynamicCache(config=head.body.config)
-            caught_up = head(head.fuse(feats[:, :i]), embeds[:, :i], cache=cache)  # entries 0 .. i - 1, true features
-            assert torch.allclose(caught_up[:, -1], pred[:, i - 1], atol=1e-5)
-            step = head(caught_up[:, -1:], embeds[:, i : i + 1], cache=cache)  # entry i from its own prediction
-            assert torch.allclose(step[:, 0], pred2[:, i], atol=1e-5)
-    assert head_passes(head, feats, embeds, unroll=1)[1] is None
+            out = head(head.fuse(feats[:, : start + 1]), embeds[:, : start + 1], cache=cache)[:, -1:]
+            assert torch.allclose(out[:, 0], preds[0][:, start], atol=1e-5)
+            for step in range(2, 5):  # draft token `step`, from the head's own previous prediction
+                i = start + step - 1
+                out = head(out, embeds[:, i : i + 1], cache=cache)
+                assert torch.allclose(out[:, 0], preds[step - 1][:, i], atol=1e-5), (start, step)
+
+
+def _memorised(target, corpus, out, unroll: int, **overrides):
+    """A head trained to memorise `corpus` (many epochs, no noise, nothing held out is needed)."""
+    cfg = TrainConfig(epochs=600, lr=1e-2, batch_tokens=512, draft_vocab=512, noise=0.0, unroll=unroll, **overrides)
+    train_head(target, read_corpus(corpus), out, cfg)
+    return f"eagle:{out}"
+
+
+def _acceptance(tiny_target, spec, prompts, k: int):
+    """Through the engine: (share of drafted tokens accepted, per-position acceptance) drafting k tokens a round."""
+    decoder = Decoder(target=tiny_target, drafters=[spec], policy=f"fixed:{spec}", draft_len=k)
+    drafted = accepted = 0
+    positions = []
+    for prompt in prompts:
+        stats = decoder.generate(prompt, max_new_tokens=24).stats
+        drafted += stats.drafters()[spec].drafted
+        accepted += stats.drafters()[spec].accepted
+        positions.append(stats.per_position_acceptance())
+    return accepted / max(drafted, 1), [sum(p[j] for p in positions) / len(positions) for j in range(k)]
+
+
+@pytest.fixture(scope="module")
+def memorised_corpus(tiny_target, tmp_path_factory):
+    """The tiny target's own greedy answers to the prompts, with its features: text whose next token needs the
+    feature (the answers share their first ten tokens and part after them)."""
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    out = tmp_path_factory.mktemp("memorised")
+    write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), out, max_new_tokens=24)
+    return target, out
+
+
+def test_a_head_that_memorised_its_corpus_drafts_it_through_the_engine(
+    tiny_target, memorised_corpus, tmp_path, monkeypatch
+):
+    """Features and tokens are paired alike in training and in drafting: a head that memorised the target's
+    answers drafts them at >= 90 % acceptance. Drafting from features one position late (the off-by-one a cache
+    or a drafter could make), it does not, so that check fails on such a bug."""
+    target, corpus = memorised_corpus
+    spec = _memorised(target, corpus, tmp_path / "head", unroll=1)
+    rate, _ = _acceptance(tiny_target, spec, PROMPTS, k=1)
+    assert rate >= 0.9, rate
+    features_for = CachedModel.features_for
+    late = lambda cache, tokens: torch.roll(features_for(cache, tokens), 1, dims=0)  # noqa: E731
+    monkeypatch.setattr(CachedModel, "features_for", late)
+    rate, _ = _acceptance(tiny_target, spec, PROMPTS, k=1)
+    assert rate < 0.5, rate
+
+
+def test_a_deeper_unroll_keeps_a_drafts_later_positions(memorised_corpus, tmp_path):
+    """On memorised text, a head trained with the training-time test over 4 steps agrees with the target at a
+    draft's 4th token where one trained on the first step alone falls off (each pass computes what the drafting step
+    it stands for computes: the test above; agreement here is acceptance there)."""
+    target, corpus = memorised_corpus
+    seqs = read_corpus(corpus)
+    four = TrainConfig(batch_tokens=512, draft_vocab=512, noise=0.0, unroll=4)
+    rates = {}
+    for unroll in (1, 4):
+        _memorised(target, corpus, tmp_path / str(unroll), unroll)
+        head = load_head(tmp_path / str(unroll)).head
+        readout = target.model.get_output_embeddings().weight[head.draft_vocab].detach().float()
+        rates[unroll] = held_out_metrics(head, target.model.get_input_embeddings(), readout, seqs, four)
+    assert rates[4]["top1_4"] >= 0.8 and rates[4]["top1_4"] > rates[1]["top1_4"] + 0.3, rates
 
 
 def test_a_fused_corpus_trains_a_fused_head_and_a_plain_one_on_the_same_data(tiny_target, tmp_path):

@@ -49,17 +49,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--unroll",
         type=int,
-        choices=(1, 2),
+        choices=range(1, 9),  # specialists.eagle_train.MAX_UNROLL (not imported: --help stays light)
+        metavar="1..8",
         default=1,
-        help="2: also train on the head's own predicted features, as a second draft token's step reads them "
-        "(EAGLE-3's training-time test; twice the training time) (default: %(default)s)",
+        help="passes per training step: from 2 on, also train on the head's own predicted features, as the steps "
+        "drafting tokens 2 .. N read them (EAGLE-3's training-time test; about N times the training time; as deep "
+        "as the drafts the policy makes) (default: %(default)s)",
     )
     p.add_argument(
         "--feature-layers",
         default="none",
         help="decoder layers whose outputs the head reads beside the final norm's (EAGLE-3's fused features): "
         "'auto' (a low and a middle layer: 1 and L/2 - 1 of L), comma-separated indices, or 'none'; needs "
-        "--unroll 2; a corpus is written with them, and one holding more is read for these (default: %(default)s)",
+        "--unroll >= 2; a corpus is written with them, and one holding more is read for these (default: %(default)s)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.feature_layers != "none" and args.unroll < 2:
         raise ValueError(
-            "--feature-layers needs --unroll 2: from its second draft token on, a head reads its own "
+            "--feature-layers needs --unroll 2 or more: from its second draft token on, a head reads its own "
             "predictions, and only the training-time test shows it those"
         )
     out = Path(args.out)

@@ -124,7 +124,8 @@ def load_model(spec: str | None = None, dtype: str = "float32", device: str = "a
 
 def adopt_model(model: torch.nn.Module, tokenizer: object | None, role: str = "target") -> LoadedModel:
     """A causal LM object its caller loaded, used as it is (its dtype, device, adapters, no copy of its weights),
-    after the checks a spec's model gets. Its spec, for messages and the calibration cache, is its `name_or_path`."""
+    after the checks a spec's model gets. Its spec (messages, the calibration cache) is its `name_or_path`, class and
+    size."""
     if not callable(getattr(model, "get_output_embeddings", None)) or getattr(model, "generation_config", None) is None:
         raise ValueError(
             f"the {role} object is a {type(model).__name__}, not a transformers causal LM (what "
@@ -136,7 +137,10 @@ def adopt_model(model: torch.nn.Module, tokenizer: object | None, role: str = "t
         )
     if model.training:
         raise ValueError(f"the {role} model is in training mode (dropout on): call model.eval() first")
-    spec = str(getattr(model, "name_or_path", "") or type(model).__name__)
+    # named by where it came from and what it is: the calibration cache is keyed by this name, and one directory
+    # can hold several GGUF files (their models' name_or_path is the directory)
+    params = sum(p.numel() for p in model.parameters())
+    spec = f"{getattr(model, 'name_or_path', '') or 'model object'} ({type(model).__name__}, {params / 1e6:.0f}M)"
     check_full_attention(model.config, spec)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 

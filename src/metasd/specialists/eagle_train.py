@@ -3,13 +3,13 @@
 Loss per position i (EAGLE, arXiv 2401.15077): smooth-L1 between the predicted and the true feature f_(i+1), plus
 the cross-entropy of the head's next-token distribution against the target's own (both over the draft vocabulary).
 Input features get uniform noise, as EAGLE does, so the head tolerates its own imperfect predictions when drafting
-several tokens from them. With `unroll=2` the head also trains on its own predictions, as drafting uses them
-(EAGLE-3's training-time test, arXiv 2503.01840): a second pass feeds entry i the head's predicted feature of
-position i (from entry i - 1) instead of the true one, attending to the true entries before i and to itself, as a
-second draft token's step does, and adds that pass's loss. With `feature_layers` the true features the head reads
-are fused from those decoder layers' outputs and the final norm's (EAGLE-3); the feature it predicts, and the
-distribution it learns, stay the final norm's. Sequences are right-padded into batches of similar length; causal
-attention keeps real positions from ever seeing padding.
+several tokens from them. With `unroll` = s > 1 the head also trains on its own predictions, as drafting uses them
+(EAGLE-3's training-time test, arXiv 2503.01840): pass s feeds entry i pass s - 1's predicted feature of
+position i (from entry i - 1) instead of the true one, attending to the true entries up to i - s + 1 and to its own
+chain of predicted entries, as the step drafting token s does, and adds that pass's loss. With `feature_layers` the
+true features the head reads are fused from those decoder layers' outputs and the final norm's (EAGLE-3); the
+feature it predicts, and the distribution it learns, stay the final norm's. Sequences are right-padded into batches
+of similar length; causal attention keeps real positions from ever seeing padding.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from ..models.eagle_head import EagleHead, TargetCheck, head_config_for, save_he
 from .distill import length_batches
 from .eagle_corpus import TokenFeatures
 
+MAX_UNROLL = 8  # EAGLE-3's recipes unroll up to 7-8 steps
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -39,7 +41,7 @@ class TrainConfig:
     noise: float = 0.1  # uniform noise amplitude on input features
     feature_weight: float = 1.0
     token_weight: float = 1.0
-    unroll: int = 1  # 2: also train on the head's own predicted features (training-time test)
+    unroll: int = 1  # passes: from 2 on, also train on the head's own predicted features (training-time test)
     feature_layers: tuple[int, ...] = ()  # decoder layers fused with the final norm's output (EAGLE-3)
     seed: int = 0
 
@@ -87,30 +89,46 @@ def _pass_loss(
     return cfg.feature_weight * feature_loss + cfg.token_weight * token_loss, feature_loss, token_loss, agree
 
 
-def _second_step_mask(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[1, 1, n, 2n] additive mask of the unrolled pass: its entry i sees the first pass's (true) entries j < i and
-    its own entry, nothing else; what the step drafting a second token sees in the head's cache."""
+def _step_mask(n: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, 1, n, step * n] additive mask of unrolled pass `step` (2, 3, ...) over the keys of passes 1 .. step: its
+    entry i sees the first pass's (true) entries j <= i - step + 1 and, of each later pass k, entry i - step + k,
+    nothing else: what the step drafting token `step` of a draft after true entry i - step + 1 sees in the head's
+    cache (the true context, then the head's own entries for the tokens drafted before it)."""
     i = torch.arange(n, device=device)
-    allowed = torch.cat([i[None, :] < i[:, None], torch.eye(n, dtype=torch.bool, device=device)], dim=1)
-    mask = torch.zeros(n, 2 * n, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    blocks = [i[None, :] <= i[:, None] - step + 1]
+    blocks += [i[None, :] == i[:, None] - step + k for k in range(2, step + 1)]
+    allowed = torch.cat(blocks, dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
 
-def head_passes(
-    head: EagleHead, inputs: torch.Tensor, embeds: torch.Tensor, unroll: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The head's predictions [B, n, d] from entries (inputs_i [D], fused; embeds_i), and with unroll=2 from
-    entries (its own prediction of f_i, embeds_i), each attending to the true entries before it and itself (entry 0
-    has no prediction of its own: its row is not a step drafting does)."""
+def _shifted(x: torch.Tensor) -> torch.Tensor:
+    """x moved one entry right along dim 1 (entry i holds entry i - 1's), the first entry zero."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
+def _step_masks(first: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+    """Per pass, the entries it counts: pass 1 those with a real target; pass s those whose s - 1 predecessors
+    were counted too (a draft of s tokens after a real entry)."""
+    masks = [first]
+    for _ in range(1, unroll):
+        masks.append(masks[-1] & _shifted(masks[-1]))
+    return masks
+
+
+def head_passes(head: EagleHead, inputs: torch.Tensor, embeds: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+    """The head's predictions [B, n, d] per pass: pass 1 from entries (inputs_i [D], fused; embeds_i); pass s > 1
+    (EAGLE-3's training-time test, as deep as drafts go) from entries (pass s - 1's prediction of f_i, embeds_i),
+    each attending as `_step_mask` says (entries with no such predecessor are not steps drafting makes; the loss
+    leaves them out)."""
     cache = DynamicCache(config=head.body.config) if unroll > 1 else None
-    pred = head(head.fuse(inputs), embeds, cache=cache)
-    if unroll < 2:
-        return pred, None
-    b, n = pred.shape[:2]
-    own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
-    mask = _second_step_mask(n, pred.dtype, pred.device).expand(b, 1, n, 2 * n)
-    positions = torch.arange(n, device=pred.device).expand(b, n)
-    return pred, head(own, embeds, cache=cache, position_ids=positions, attention_mask=mask)
+    preds = [head(head.fuse(inputs), embeds, cache=cache)]
+    b, n = preds[0].shape[:2]
+    positions = torch.arange(n, device=preds[0].device).expand(b, n)
+    for step in range(2, unroll + 1):
+        mask = _step_mask(n, step, preds[0].dtype, preds[0].device).expand(b, 1, n, step * n)
+        preds.append(head(_shifted(preds[-1]), embeds, cache=cache, position_ids=positions, attention_mask=mask))
+    return preds
 
 
 def head_loss(
@@ -122,27 +140,32 @@ def head_loss(
     real: torch.Tensor,
     cfg: TrainConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss over every pair (f_i, token i+1) -> f_(i+1) whose target feature is real (and with unroll=2 over the
-    second pass's entries whose predecessor was real too); readout [Vd, d]."""
+    """Loss over every pair (f_i, token i+1) -> f_(i+1) whose target feature is real, plus each unrolled pass's
+    over the entries `_step_masks` counts; readout [Vd, d]. Metrics: `top1` (a draft's first token), `top1_s` (its
+    token s from the head's own entries), `both` / `chain_s` (a greedy draft's first 2 / s tokens all right)."""
     inputs = feats[:, :-1]
     if cfg.noise > 0:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * cfg.noise
-    pred, pred2 = head_passes(head, inputs, embed(tokens[:, 1:]), cfg.unroll)
-    mask = real[:, 1:] & real[:, :-1]
+    preds = head_passes(head, inputs, embed(tokens[:, 1:]), cfg.unroll)
+    masks = _step_masks(real[:, 1:] & real[:, :-1], cfg.unroll)
+    mask = masks[0]
     want = feats[:, 1:, -head.config.hidden_size :][mask]  # the final norm's output: what the readout reads
     target_p = torch.softmax(want @ readout.T, dim=-1)
-    loss, feature_loss, token_loss, agree = _pass_loss(pred[mask], want, target_p, readout, cfg)
+    loss, feature_loss, token_loss, agree = _pass_loss(preds[0][mask], want, target_p, readout, cfg)
     metrics = {"feature": feature_loss.item(), "token": token_loss.item(), "top1": agree.float().mean().item()}
-    mask2 = mask & torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
-    if pred2 is not None and mask2.any():  # sequences of three tokens or fewer have no second step
-        rows = mask2[mask]  # the second pass's rows among the first's: the same targets, computed once
-        loss2, _, _, agree2 = _pass_loss(pred2[mask2], want[rows], target_p[rows], readout, cfg)
-        loss = loss + loss2
-        first, second = torch.zeros_like(mask), torch.zeros_like(mask)
-        first[mask], second[mask2] = agree, agree2
-        metrics["top1_2"] = agree2.float().mean().item()
-        # a greedy draft's first two tokens both the target's: entry i - 1 right, then entry i from its prediction
-        metrics["both"] = (first[:, :-1] & second[:, 1:]).sum().item() / max(1, int(mask2.sum()))
+    chain = torch.zeros_like(mask)
+    chain[mask] = agree
+    for step, (pred, counted) in enumerate(zip(preds[1:], masks[1:], strict=True), start=2):
+        if not counted.any():  # sequences too short for this many steps
+            break
+        rows = counted[mask]  # this pass's rows among the first's: the same targets, computed once
+        loss_s, _, _, agree_s = _pass_loss(pred[counted], want[rows], target_p[rows], readout, cfg)
+        loss = loss + loss_s
+        right = torch.zeros_like(mask)
+        right[counted] = agree_s
+        chain = _shifted(chain) & right  # entry i: the draft after entry i - step + 1 right up to its token `step`
+        metrics[f"top1_{step}"] = agree_s.float().mean().item()
+        metrics["both" if step == 2 else f"chain_{step}"] = chain.sum().item() / int(counted.sum())
     return loss, metrics
 
 
@@ -158,18 +181,17 @@ def held_out_metrics(head, embed, readout, seqs: list[TokenFeatures], cfg: Train
     true features (`top1`, a draft's first token), from the head's own prediction of the previous feature
     (`top1_2`, a second token's step) and both in a row (`both`: a greedy draft's first two tokens accepted),
     whatever the head was trained with; each averaged over the positions it counts."""
-    quiet = TrainConfig(**{**asdict(cfg), "noise": 0.0, "unroll": 2})
+    quiet = TrainConfig(**{**asdict(cfg), "noise": 0.0, "unroll": max(cfg.unroll, 2)})
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     for idx in length_batches([min(len(s.tokens), cfg.max_length) for s in seqs], cfg.batch_tokens):
         tokens, feats, real = _stack(seqs, idx, cfg.max_length)
         _, metrics = head_loss(head, embed, readout, tokens, feats, real, quiet)
-        first = real[:, 1:] & real[:, :-1]
-        second = int((first[:, 1:] & first[:, :-1]).sum())
+        counted = [int(m.sum()) for m in _step_masks(real[:, 1:] & real[:, :-1], quiet.unroll)]
         for key, value in metrics.items():
-            n = second if key in ("top1_2", "both") else int(first.sum())
-            totals[key] = totals.get(key, 0.0) + value * n
-            counts[key] = counts.get(key, 0) + n
+            step = 2 if key == "both" else int(key.rpartition("_")[2]) if "_" in key else 1  # top1_3, chain_3
+            totals[key] = totals.get(key, 0.0) + value * counted[step - 1]
+            counts[key] = counts.get(key, 0) + counted[step - 1]
     return {"sequences": len(seqs), **{k: round(totals[k] / max(1, counts[k]), 4) for k in totals}}
 
 
@@ -192,9 +214,11 @@ def train_head(
     model = target.model
     if cfg.feature_layers and (cfg.unroll < 2 or list(cfg.feature_layers) != sorted(set(cfg.feature_layers))):
         raise ValueError(
-            "fused features need the training-time test (unroll=2: from its second draft token on, the head reads "
-            "its own predictions, not fused features) and their layers sorted, each once"
+            "fused features need the training-time test (unroll >= 2: from its second draft token on, the head "
+            "reads its own predictions, not fused features) and their layers sorted, each once"
         )
+    if not 1 <= cfg.unroll <= MAX_UNROLL:
+        raise ValueError(f"unroll must be 1 .. {MAX_UNROLL}, got {cfg.unroll}")
     width = (len(cfg.feature_layers) + 1) * model.config.hidden_size
     if any(s.features.shape[1] != width for s in seqs):
         raise ValueError(
