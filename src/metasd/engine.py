@@ -23,7 +23,7 @@ from .costs import CostModel, TargetCost, load_or_calibrate
 from .drafters import DEFAULT_POOL, Draft, Drafter, build_drafter, default_pool, model_drafter, parse_drafters
 from .drafters.base import StoppableDrafter
 from .models.linear_kernels import KERNEL_MODES
-from .models.loading import LoadedModel, adopt_model, dtype_name, load_model
+from .models.loading import LoadedModel, adopt_model, dtype_name, load_model, token_ids
 from .outcome import Extension, RoundOutcome
 from .policy import DEFAULT_POLICY, Policy, build_policy, canonical_policy
 from .policy.adaptive import DEFAULTS as ADAPTIVE_DEFAULTS
@@ -353,7 +353,7 @@ class Generation:
         model, spec = decoder.target.model, decoder.target.spec
         self.processors = target_processors(model, len(prompt), max_new_tokens, spec, generation_config)
         eos = None if generation_config is None else generation_config.eos_token_id
-        self.eos_token_ids = decoder.target.eos_token_ids if eos is None else frozenset(_ids(eos))
+        self.eos_token_ids = decoder.target.eos_token_ids if eos is None else frozenset(token_ids(eos))
         self._iter = self._rounds()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -655,13 +655,6 @@ class Generation:
             self.finish_reason = "stop"
             return new[: stop + 1]
         return new
-
-
-def _ids(ids: int | Sequence[int] | torch.Tensor) -> list[int]:
-    return [
-        int(i)
-        for i in (ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ([ids] if isinstance(ids, int) else ids))
-    ]
 
 
 def _deterministic(drafter: Drafter, draft: Draft) -> Draft:

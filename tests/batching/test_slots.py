@@ -127,10 +127,23 @@ def _cohere():
     return CohereForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("build", [_granite, _cohere], ids=["granite-logits-scaling", "cohere-logit-scale"])
+def _granite_moe():
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    config = GraniteMoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, logits_scaling=8.0,
+    )  # fmt: skip
+    return GraniteMoeForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    "build", [_granite, _cohere, _granite_moe], ids=["granite-logits-scaling", "cohere-logit-scale", "granite-moe"]
+)
 def test_logits_are_the_models_own_where_it_scales_them(build):
     """Granite divides its logits by `logits_scaling`, Cohere multiplies them by `logit_scale`: the head alone
-    would sample from softmax(8 x logits / T). The batch's logits are the model's own forward's (and CachedModel's)."""
+    would sample from softmax(8 x logits / T). The batch's logits are the model's own forward's (and CachedModel's),
+    a mixture of experts' too (its forward reads the router's logits from its body's output)."""
     torch.manual_seed(0)
     model = build()
     got, want = _two_rows_against_alone(model, [[1, 5, 7, 9, 11, 2], [7, 3]], [[4, 6], [9]])

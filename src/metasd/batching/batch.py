@@ -112,13 +112,13 @@ class Batch:
         try:
             request.finish()
         finally:
+            self.target.remove_row(request.target)
+            self.requests.remove(request)
             shared, start = self._policies.pop(id(request), (None, None))
             if start is not None:  # a bandit's statistics: add what this request learned to what the others added
                 shared.merge(state_delta(request.policy.state(), start))
             elif shared is not None:  # what the request learned, for the requests after it
                 vars(shared).update({k: v for k, v in vars(request.policy).items() if k != "costs"})
-            self.target.remove_row(request.target)
-            self.requests.remove(request)
 
     def step(self) -> list[tuple[Generation, list[int]]]:
         """One round for every request in flight: the tokens each one added. Requests that ended have left; one

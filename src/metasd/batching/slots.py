@@ -343,7 +343,7 @@ def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None)
         if not error <= tolerance:
             raise ValueError(
                 f"{type(model).__name__}: logits computed for a batch of rows differ from the model's own forward "
-                f"by {error:.3g} of the largest logit (allowed {tolerance:g}); batched decoding would sample from "
-                "another distribution, so this model cannot be served with --max-batch > 1 (serve it with "
-                "--max-batch 1 or decode with Decoder.generate)"
+                f"by {error:.3g} of the largest logit (allowed {tolerance:g}); decoding through the batch's KV "
+                "slots (metasd serve, metasd.generate, Batch) would sample from another distribution, so they refuse "
+                "this model; Decoder.generate decodes it through its own forward"
             )

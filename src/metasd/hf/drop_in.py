@@ -21,6 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..batching.batch import Batch
 from ..drafters import DEFAULT_POOL
 from ..engine import Decoder, Generation
+from ..models.loading import token_ids
 from ..policy import DEFAULT_POLICY
 from ..stats import GenerationStats
 
@@ -140,12 +141,19 @@ def decoder_for(model: torch.nn.Module, tokenizer, drafters: Sequence, policy: s
     """The decoder for this model object and pool, built once and kept on the model (cost calibration and drafters
     are not redone for every call)."""
     kept = model.__dict__.setdefault("_metasd_decoders", {})
-    key = (tuple(d if isinstance(d, str) else id(d) for d in drafters), policy, id(tokenizer))
+    objects = (tokenizer, *(d for d in drafters if not isinstance(d, str)))  # kept alive with the decoder: an id
+    key = (tuple(d if isinstance(d, str) else _ids_of(d) for d in drafters), policy, id(tokenizer))  # is not reused
     if key not in kept:
-        if tokenizer is None:
-            tokenizer = _tokenizer_of(model)
-        kept[key] = Decoder(target=model, tokenizer=tokenizer, drafters=drafters, policy=policy)
-    return kept[key]
+        tokenizer = tokenizer if tokenizer is not None else _tokenizer_of(model)
+        built = Decoder(target=model, tokenizer=tokenizer, drafters=drafters, policy=policy)
+        kept[key] = (built, objects)
+    return kept[key][0]
+
+
+def _ids_of(item) -> tuple[int, ...]:
+    """A drafter object, or a (model, tokenizer) pair, by the identities of what it holds (a pair written inline is
+    a new tuple at every call)."""
+    return tuple(id(x) for x in item) if isinstance(item, tuple) else (id(item),)
 
 
 def _tokenizer_of(model: torch.nn.Module):
@@ -169,7 +177,7 @@ def _refuse_settings(config) -> None:
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config) -> list[list[int]]:
     """Each row's real tokens: the mask's contiguous run of ones (left or right padding)."""
     if attention_mask is None:
-        pad, eos = config.pad_token_id, set(_all(config.eos_token_id))
+        pad, eos = config.pad_token_id, set(token_ids(config.eos_token_id))
         padded = pad is not None and pad not in eos and bool((input_ids == pad).any())
         attention_mask = (input_ids != pad) if padded else torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
@@ -231,14 +239,6 @@ def _stack(input_ids: torch.Tensor, outputs: list[list[int]], pad: int) -> torch
     return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
 
 
-def _all(ids) -> list[int]:
-    if ids is None:
-        return []
-    if isinstance(ids, torch.Tensor):
-        return [int(i) for i in ids.flatten().tolist()]
-    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
-
-
 def _first(ids) -> int | None:
-    found = _all(ids)
+    found = token_ids(ids)
     return found[0] if found else None

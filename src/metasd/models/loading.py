@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +63,16 @@ class LoadedModel:
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
-        if eos is None:
-            return frozenset()
-        return frozenset([eos] if isinstance(eos, int) else eos)
+        return frozenset(token_ids(eos))
+
+
+def token_ids(ids: int | Sequence[int] | torch.Tensor | None) -> list[int]:
+    """A generation setting naming tokens (`eos_token_id`: None, an id, a list or a tensor of ids) as a list."""
+    if ids is None:
+        return []
+    if isinstance(ids, torch.Tensor):
+        return [int(i) for i in ids.flatten().tolist()]
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
 
 
 def _locate(spec: str) -> tuple[str, dict]:
@@ -140,7 +148,7 @@ def adopt_model(model: torch.nn.Module, tokenizer: object | None, role: str = "t
     # named by where it came from and what it is: the calibration cache is keyed by this name, and one directory
     # can hold several GGUF files (their models' name_or_path is the directory)
     params = sum(p.numel() for p in model.parameters())
-    spec = f"{getattr(model, 'name_or_path', '') or 'model object'} ({type(model).__name__}, {params / 1e6:.0f}M)"
+    spec = f"{getattr(model, 'name_or_path', '') or 'model object'} ({type(model).__name__} {params / 1e6:.0f}M)"
     check_full_attention(model.config, spec)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 

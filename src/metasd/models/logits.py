@@ -17,6 +17,16 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 
+class _BodyOutput(BaseModelOutputWithPast):
+    """The stand-in body's output: the hidden states, and None for whatever else a forward reads of its body's
+    output (a mixture of experts' `router_logits`, say)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _Hidden(torch.nn.Module):
     """Stands in for a decoder body: answers with the hidden states set before the call."""
 
@@ -25,13 +35,15 @@ class _Hidden(torch.nn.Module):
         self.hidden: torch.Tensor | None = None
 
     def forward(self, *args, **kwargs) -> BaseModelOutputWithPast:
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        return _BodyOutput(last_hidden_state=self.hidden)
 
 
 class ModelHead:
     """`head(hidden [n, d]) -> logits [n, V]` as `model(...)` computes them after its decoder body: the model's own
     forward, on a shallow twin of the model (same class, the same submodules and weights) whose decoder is a
-    stand-in returning `hidden`. The model itself is never modified."""
+    stand-in returning `hidden`. The model itself is never modified. The class's `forward` is called directly, so
+    what is set on the model object (an accelerate hook's wrapped `forward`, forward hooks) does not run for the
+    twin; the submodules' own hooks (the LM head's) do."""
 
     def __init__(self, model: torch.nn.Module):
         body = model.get_decoder()
@@ -49,6 +61,7 @@ class ModelHead:
         self.body.hidden = hidden.unsqueeze(0)
         ids = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)  # read by no decoder
         try:
-            return self.twin(input_ids=ids, use_cache=False, logits_to_keep=0).logits[0]
+            out = type(self.twin).forward(self.twin, input_ids=ids, use_cache=False, logits_to_keep=0, return_dict=True)
+            return out.logits[0]
         finally:
             self.body.hidden = None
