@@ -113,6 +113,15 @@ def test_what_metasd_cannot_honour_is_refused_by_name(model, tokenizer, options,
         metasd.generate(model, **_batch(tokenizer), max_new_tokens=4, tokenizer=tokenizer, **options)
 
 
+def test_what_generate_passes_for_not_used_is_accepted(model, tokenizer):
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    inputs = _batch(tokenizer)
+    out = metasd.generate(model, **inputs, max_new_tokens=2, tokenizer=tokenizer, synced_gpus=False,
+                          logits_processor=LogitsProcessorList(), stopping_criteria=StoppingCriteriaList())  # fmt: skip
+    assert out.shape == (len(PROMPTS), inputs["input_ids"].shape[1] + 2)
+
+
 def test_transformers_custom_generate_decodes_through_metasd(model, tokenizer, reference):
     inputs = _batch(tokenizer)
     out = model.generate(

@@ -25,21 +25,21 @@ from ..models.loading import token_ids
 from ..policy import DEFAULT_POLICY
 from ..stats import GenerationStats
 
-# generate's arguments metasd cannot honour, with the value that means "not used"
-_REFUSED_ARGUMENTS = {
-    "logits_processor": None,
-    "stopping_criteria": None,
-    "prefix_allowed_tokens_fn": None,
-    "synced_gpus": None,
-    "assistant_model": None,
-    "assistant_tokenizer": None,
-    "streamer": None,
-    "negative_prompt_ids": None,
-    "negative_prompt_attention_mask": None,
-    "inputs_embeds": None,
-    "cache": None,
-    "past_key_values": None,
-}
+# generate's arguments metasd cannot honour (None, False or an empty list mean "not used")
+_REFUSED_ARGUMENTS = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "assistant_tokenizer",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "inputs_embeds",
+    "cache",
+    "past_key_values",
+)
 # generation settings metasd cannot honour, with the values that mean "not used" (sampling warpers only matter when
 # sampling; beam-only settings are inert without beams, as generate treats them)
 _REFUSED_SETTINGS = {
@@ -107,9 +107,9 @@ def generate(
     """
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     attention_mask = kwargs.pop("attention_mask", None)
-    for name, unused in _REFUSED_ARGUMENTS.items():
-        value = kwargs.pop(name, unused)
-        if value is not unused and not (name == "stopping_criteria" and len(value) == 0):
+    for name in _REFUSED_ARGUMENTS:
+        value = kwargs.pop(name, None)
+        if value is not None and value is not False and not (isinstance(value, Sequence) and len(value) == 0):
             raise ValueError(f"metasd.generate cannot honour {name}= (speculative decoding verifies its own rows)")
     kwargs.pop("use_cache", None)  # always on
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
