@@ -12,6 +12,7 @@ context shares (a tree's entries settled on the path the context follows) and fe
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -317,15 +318,22 @@ class BatchedTarget:
         self.features[first : first + rows].scatter_(1, index, hidden)
 
 
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # models that passed `check_batched_logits` (once per model object)
+
+
 @torch.inference_mode()
 def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None) -> None:
     """Refuse, with a clear error, a model whose logits through the batch's slots are not its own forward's: two
     rows of different lengths (a chain draft each) against `model(...)` over each row alone. Whatever an
     architecture does that the slots do not reproduce (a transform after the body that `ModelHead` misses, an
     attention that ignores the 4D mask, positions that reach across rows) shows here, at start-up, instead of as
-    a silently different distribution. tolerance: of the largest logit (default 1e-3 in float32, 5e-2 in 16 bits)."""
+    a silently different distribution. tolerance: of the largest logit (default 1e-3 in float32, 5e-2 in 16 bits).
+    A model that passed with the default tolerance is not checked again (`metasd.generate` builds a batch a call)."""
+    if tolerance is None and model in _CHECKED:
+        return
     dtype = next(model.parameters()).dtype
-    tolerance = tolerance if tolerance is not None else (1e-3 if dtype == torch.float32 else 5e-2)
+    default = tolerance is None
+    tolerance = (1e-3 if dtype == torch.float32 else 5e-2) if default else tolerance
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
     contexts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 4)]
@@ -347,3 +355,5 @@ def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None)
                 "slots (metasd serve, metasd.generate, Batch) would sample from another distribution, so they refuse "
                 "this model; Decoder.generate decodes it through its own forward"
             )
+    if default:
+        _CHECKED.add(model)

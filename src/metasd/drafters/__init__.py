@@ -73,11 +73,7 @@ def build_drafter(spec: str, target: LoadedModel, dtype: str = "float32") -> Dra
                     f"{err} (after lm:MODEL, a ':' suffix names the drafter's weights: {', '.join(WEIGHTS)})"
                 ) from err
             raise
-        if not same_tokenizer(drafter.tokenizer, target.tokenizer):
-            raise ValueError(
-                f"drafter {spec!r} uses a different tokenizer than the target {target.spec!r}; "
-                "a drafter must share the target's vocabulary"
-            )
+        _check_vocabulary(spec, drafter, target)
         return ModelDrafter(drafter.model, name=spec, vocab_size=target.vocab_size, weights=weights or "auto")
     if kind == "datastore":
         if not arg:
@@ -92,12 +88,16 @@ def model_drafter(model: object, tokenizer: object, target: LoadedModel) -> Draf
     """An `lm:` drafter from a model object its caller loaded (with its tokenizer), drafting on it as it is: the
     checks of `lm:MODEL` (a causal LM, full attention, the target's vocabulary) and no copy of the weights."""
     drafter = adopt_model(model, tokenizer, role="drafter")
+    _check_vocabulary(drafter.spec, drafter, target)
+    return ModelDrafter(model, name=f"lm:{drafter.spec}", vocab_size=target.vocab_size, weights="unquantized")
+
+
+def _check_vocabulary(name: str, drafter: LoadedModel, target: LoadedModel) -> None:
     if not same_tokenizer(drafter.tokenizer, target.tokenizer):
         raise ValueError(
-            f"drafter {drafter.spec!r} uses a different tokenizer than the target {target.spec!r}; "
+            f"drafter {name!r} uses a different tokenizer than the target {target.spec!r}; "
             "a drafter must share the target's vocabulary"
         )
-    return ModelDrafter(model, name=f"lm:{drafter.spec}", vocab_size=target.vocab_size, weights="unquantized")
 
 
 def parse_drafters(specs: str | list[str] | tuple[str, ...]) -> list[str]:
