@@ -1,16 +1,19 @@
 """Held-out agreement of trained EAGLE heads with their target, on the ~2 % of a corpus `train_head` keeps out:
 a draft's first token (`top1`), its second from the head's own predicted feature (`top1_2`) and both in a row
-(`both`), for heads trained on the same corpus with and without the training-time test or fused features.
-python experiments/eagle_held_out.py [--target SPEC] [--dtype D] --corpus DIR [DIR ...] --heads HEAD_DIR [...]"""
+(`both`), for heads trained on the same corpus with and without the training-time test or fused features; with
+--whole, on every sequence of a corpus no head trained on (e.g. the target's answers to requests of one's own).
+python experiments/eagle_held_out.py [--target SPEC] [--dtype D] --corpus DIR [DIR ...] --heads HEAD_DIR [...]
+    [--whole] [--unroll S]"""
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from metasd.models.eagle_head import load_head
 from metasd.models.loading import load_model
 from metasd.specialists.eagle_corpus import read_corpus
-from metasd.specialists.eagle_train import TrainConfig, held_out_metrics, held_out_split
+from metasd.specialists.eagle_train import StoredSequences, TrainConfig, held_out_metrics, held_out_split
 
 
 def main() -> None:
@@ -19,15 +22,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--corpus", nargs="+", required=True)
     parser.add_argument("--heads", nargs="+", required=True)
+    parser.add_argument("--whole", action="store_true", help="every sequence, not the ~2 %% train_head held out")
+    parser.add_argument("--unroll", type=int, default=None, help="report draft tokens 1..S (default: as trained)")
     args = parser.parse_args()
     target = load_model(args.target, args.dtype)
     embed = target.model.get_input_embeddings()
     for path in args.heads:
         saved = load_head(path, target.model)
         layers = saved.head.config.feature_layers  # the corpus's features as this head reads them
-        held, _ = held_out_split([s for d in args.corpus for s in read_corpus(Path(d), layers)])
+        seqs = StoredSequences([s for d in args.corpus for s in read_corpus(Path(d), layers)])
+        held = seqs if args.whole else held_out_split(seqs)[0]
         head = saved.head.float()
         cfg = TrainConfig(**saved.training.get("train_config", {}))
+        cfg = TrainConfig(**{**asdict(cfg), "unroll": args.unroll or cfg.unroll})
         readout = target.model.get_output_embeddings().weight[head.draft_vocab].detach().float()
         metrics = held_out_metrics(head, embed, readout, held, cfg)
         print(json.dumps({"head": path, "unroll": cfg.unroll, "layers": list(layers), **metrics}))

@@ -15,7 +15,7 @@ import torch
 
 from metasd.models.loading import load_model
 from metasd.specialists.eagle_corpus import read_corpus, write_corpus
-from metasd.specialists.eagle_train import TrainConfig, train_head
+from metasd.specialists.eagle_train import StoredSequences, TrainConfig, train_head
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 BATCH_TOKENS = 4096
@@ -44,7 +44,7 @@ def main() -> None:
             epochs = STEPS / (len(sequences) * 512 // BATCH_TOKENS)
             cfg = TrainConfig(epochs=epochs, batch_tokens=BATCH_TOKENS, draft_vocab=8192, unroll=unroll)
             last[0] = time.perf_counter()
-            train_head(target, seqs, Path(tmp) / f"head{unroll}", cfg, progress=tick)
+            train_head(target, StoredSequences(seqs), Path(tmp) / f"head{unroll}", cfg, progress=tick)
             per_step = sorted(times[1:])[len(times[1:]) // 2]  # median, the first step a warm-up
             base = base or per_step
             print(f"unroll {unroll}: {per_step:.2f} s a step (median of {len(times) - 1}), {per_step / base:.2f}x")

@@ -19,7 +19,13 @@ from metasd.specialists.eagle_corpus import (
     refeature_corpus,
     write_corpus,
 )
-from metasd.specialists.eagle_train import TrainConfig, head_passes, held_out_metrics, train_head
+from metasd.specialists.eagle_train import (
+    StoredSequences,
+    TrainConfig,
+    head_passes,
+    held_out_metrics,
+    train_head,
+)
 
 PROMPTS = ["Name a colour.", "Count to three.", "Say hello.", "What is two plus two?", "Write one word."]
 
@@ -121,7 +127,7 @@ def test_training_resumes_from_its_checkpoint_where_it_stopped(tiny_target, tmp_
     write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), tmp_path / "corpus", max_new_tokens=6)
     seqs = read_corpus(tmp_path / "corpus")
     cfg = TrainConfig(epochs=3, batch_tokens=64, draft_vocab=256, unroll=2)  # with the training-time test
-    train_head(target, seqs, tmp_path / "whole", cfg)
+    train_head(target, StoredSequences(seqs), tmp_path / "whole", cfg)
 
     def interrupt(step: int, steps: int, metrics: dict) -> None:
         if step == 3:
@@ -129,12 +135,27 @@ def test_training_resumes_from_its_checkpoint_where_it_stopped(tiny_target, tmp_
 
     checkpoint = tmp_path / "checkpoint.pt"
     with pytest.raises(KeyboardInterrupt):
-        train_head(target, seqs, tmp_path / "resumed", cfg, checkpoint=checkpoint, save_every=1, progress=interrupt)
+        train_head(
+            target,
+            StoredSequences(seqs),
+            tmp_path / "resumed",
+            cfg,
+            checkpoint=checkpoint,
+            save_every=1,
+            progress=interrupt,
+        )
     state = torch.load(checkpoint, weights_only=False)
     del state["config"]["feature_layers"]  # as written before fused features: read with the setting's default
     torch.save(state, checkpoint)
     steps = []
-    train_head(target, seqs, tmp_path / "resumed", cfg, checkpoint=checkpoint, progress=lambda s, n, m: steps.append(s))
+    train_head(
+        target,
+        StoredSequences(seqs),
+        tmp_path / "resumed",
+        cfg,
+        checkpoint=checkpoint,
+        progress=lambda s, n, m: steps.append(s),
+    )
     assert steps[0] == 4
     whole, resumed = load_head(tmp_path / "whole").head, load_head(tmp_path / "resumed").head
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items(), strict=True):
@@ -178,7 +199,7 @@ def test_every_unrolled_pass_computes_what_the_draft_step_it_stands_for_computes
 def _memorised(target, corpus, out, unroll: int, **overrides):
     """A head trained to memorise `corpus` (many epochs, no noise, nothing held out is needed)."""
     cfg = TrainConfig(epochs=600, lr=1e-2, batch_tokens=512, draft_vocab=512, noise=0.0, unroll=unroll, **overrides)
-    train_head(target, read_corpus(corpus), out, cfg)
+    train_head(target, StoredSequences(read_corpus(corpus)), out, cfg)
     return f"eagle:{out}"
 
 
@@ -229,7 +250,7 @@ def test_a_deeper_unroll_keeps_a_drafts_later_positions(memorised_corpus, tmp_pa
     draft's 4th token where one trained on the first step alone falls off (each pass computes what the drafting step
     it stands for computes: the test above; agreement here is acceptance there)."""
     target, corpus = memorised_corpus
-    seqs = read_corpus(corpus)
+    seqs = StoredSequences(read_corpus(corpus))
     four = TrainConfig(batch_tokens=512, draft_vocab=512, noise=0.0, unroll=4)
     rates = {}
     for unroll in (1, 4):
@@ -267,12 +288,12 @@ def test_a_fused_corpus_trains_a_fused_head_and_a_plain_one_on_the_same_data(tin
         write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), corpus, max_new_tokens=6)
     cfg = TrainConfig(epochs=2, batch_tokens=64, draft_vocab=256, unroll=2, feature_layers=(0,))
     with pytest.raises(ValueError, match="read it with read_corpus"):
-        train_head(target, read_corpus(corpus, ()), tmp_path / "wrong", cfg)
+        train_head(target, StoredSequences(read_corpus(corpus, ())), tmp_path / "wrong", cfg)
     with pytest.raises(ValueError, match="need the training-time test"):
-        train_head(target, read_corpus(corpus), tmp_path / "wrong", TrainConfig(feature_layers=(0,)))
+        train_head(target, StoredSequences(read_corpus(corpus)), tmp_path / "wrong", TrainConfig(feature_layers=(0,)))
     for name, layers in (("fused", (0,)), ("plain", ())):
         cfg = TrainConfig(epochs=2, batch_tokens=64, draft_vocab=256, unroll=2, feature_layers=layers)
-        train_head(target, read_corpus(corpus, layers), tmp_path / name, cfg)
+        train_head(target, StoredSequences(read_corpus(corpus, layers)), tmp_path / name, cfg)
         assert load_head(tmp_path / name).head.config.feature_layers == layers
     specs = [f"eagle:{tmp_path / name}" for name in ("fused", "plain")]
     decoder = Decoder(target=tiny_target, drafters=specs)
@@ -303,3 +324,44 @@ def test_a_corpus_refeatured_keeps_its_sequences_in_order_with_the_layers_added(
         assert torch.allclose(new.features[:, :d].float(), out.hidden_states[1][0], atol=1e-2)
     with pytest.raises(ValueError, match="write this corpus to another directory"):
         refeature_corpus(target, plain, fused, (1,))
+
+
+def test_a_prefill_gives_the_features_the_corpus_captured_while_decoding(memorised_corpus):
+    """Streamed training reads the features a batched prefill computes: the same, position by position, as those
+    the corpus captured while the target wrote its answers (float16 there), fused layers included, and no feature
+    where a row is padding."""
+    from metasd.specialists.eagle_prefill import PrefilledSequences
+
+    target, corpus = memorised_corpus
+    layers = (0,)
+    stored = read_corpus(corpus)
+    refeature_corpus(target, corpus, corpus.parent / "fused", layers)
+    fused = StoredSequences(read_corpus(corpus.parent / "fused"))
+    streamed = PrefilledSequences(target.model, [s.tokens for s in stored], layers)
+    assert streamed.feature_width() == fused.feature_width() == 32
+    idx = [0, 3, 4]  # rows of different lengths: padding on the shorter ones
+    tokens, feats, real = streamed.stack(idx, 64)
+    want_tokens, want_feats, want_real = fused.stack(idx, 64)
+    assert torch.equal(tokens, want_tokens) and len({int(n) for n in real.sum(-1)}) > 1
+    assert torch.equal(real & want_real, want_real)  # the corpus lacks each answer's last feature; a prefill has it
+    torch.testing.assert_close(feats[want_real], want_feats[want_real], atol=2e-3, rtol=2e-3)
+    assert not feats[~real].any()
+
+
+def test_train_eagle_streams_texts_and_reports_a_learning_curve(
+    tiny_target, texts_file, memorised_corpus, tmp_path, capsys
+):
+    """--stream: the texts' features come from a prefill per batch (nothing written); --held-out reports on another
+    corpus (the target's answers); --evaluate-every writes the head and a line of held-out metrics as it goes."""
+    _, corpus = memorised_corpus
+    out = tmp_path / "streamed"
+    args = ["train-eagle", "--target", tiny_target, "--out", str(out), "--quiet", "--threads", "1", "--stream"]
+    args += ["--texts", texts_file, texts_file, "--held-out", str(corpus), "--epochs", "4", "--batch-tokens", "64"]
+    assert main([*args, "--draft-vocab", "256", "--evaluate-every", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["texts"]["streamed"] and report["texts"]["sequences"] == 2 and not (out / "texts").exists()
+    assert report["training"]["sequences"] == 2 and report["training"]["held_out"]["sequences"] == len(PROMPTS)
+    curve = [json.loads(line) for line in (out / "learning.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in curve] == list(range(2, report["training"]["steps"], 2)) and curve
+    assert all(c["held_out"]["sequences"] == len(PROMPTS) for c in curve)
+    assert load_head(out).head.config.draft_vocab_size == 256

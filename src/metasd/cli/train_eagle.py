@@ -36,12 +36,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="JSONL conversations the target reads (prefill only: its features on them, no answers) as more data",
     )
     p.add_argument("--texts-corpus", default=None, help="where their features go (default: OUT/texts)")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="compute the texts' features by a prefill as each training batch needs them instead of writing them "
+        "to --texts-corpus: no disk, any corpus size, one target forward per position per epoch",
+    )
+    p.add_argument(
+        "--held-out",
+        nargs="+",
+        default=None,
+        help="corpus directories to report held-out metrics on instead of the first ~2 %% of the training data "
+        "(e.g. the target's answers to prompts no training text holds)",
+    )
+    p.add_argument(
+        "--evaluate-every",
+        type=int,
+        default=None,
+        help="every N steps, write the head to OUT and its held-out metrics to OUT/learning.jsonl",
+    )
     p.add_argument("--texts-tokens", type=int, default=None, help="stop reading texts after this many tokens")
     p.add_argument("--max-text-tokens", type=int, default=1024, help="each conversation's first N tokens")
     p.add_argument("--corpus-tokens", type=int, default=None, help="stop writing the corpus after this many tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="target answer length (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
     p.add_argument("--gen-batch", type=int, default=48, help="prompts the target answers at once (default: 48)")
+    _add_training_arguments(p)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(handler=run)
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """How the head trains: the schedule, the batches, the draft vocabulary, the unroll and the features."""
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the corpus (default: %(default)s)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine to 0 (default: %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded positions per step (default: %(default)s)")
@@ -63,25 +90,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "'auto' (a low and a middle layer: 1 and L/2 - 1 of L), comma-separated indices, or 'none'; needs "
         "--unroll >= 2; a corpus is written with them, and one holding more is read for these (default: %(default)s)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(handler=run)
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="train the head's matmuls in bfloat16 (float32 weights): faster where the CPU has bfloat16 matmuls",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
     from ..models.loading import load_model
-    from ..specialists.eagle_corpus import (
-        encode_documents,
-        encode_prompts,
-        read_corpus,
-        read_prompt_files,
-        write_corpus,
-    )
-    from ..specialists.eagle_train import TrainConfig, train_head
 
     set_threads(args.threads)
+    _check_args(args)
+    out = Path(args.out)
+    corpus_dirs = [Path(c) for c in args.corpus] if args.corpus else [out / "corpus"] if args.prompts else []
+    if not corpus_dirs and not args.texts:
+        raise ValueError("nothing to train on: give --prompts (the target answers them), --corpus or --texts")
+    target = load_model(args.target, args.dtype)
+    layers = feature_layers(args.feature_layers, target.model.config.num_hidden_layers)
+    started = time.perf_counter()
+    corpus, texts, seqs = _corpus(args, target, layers, corpus_dirs)
+    corpus_seconds = time.perf_counter() - started
+    summary = _train(args, target, layers, seqs)
+    report = {"corpus": corpus, "texts": texts, "corpus_wall_seconds": round(corpus_seconds, 1), "training": summary}
+    print(json.dumps(report, indent=1))
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse counts below 1, and fused features without the training-time test."""
     for name in (
         "corpus_tokens",
         "texts_tokens",
@@ -91,6 +127,7 @@ def run(args: argparse.Namespace) -> None:
         "gen_batch",
         "batch_tokens",
         "draft_vocab",
+        "evaluate_every",
     ):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -100,14 +137,16 @@ def run(args: argparse.Namespace) -> None:
             "--feature-layers needs --unroll 2 or more: from its second draft token on, a head reads its own "
             "predictions, and only the training-time test shows it those"
         )
-    out = Path(args.out)
-    corpus_dirs = [Path(c) for c in args.corpus] if args.corpus else [out / "corpus"] if args.prompts else []
-    if not corpus_dirs and not args.texts:
-        raise ValueError("nothing to train on: give --prompts (the target answers them), --corpus or --texts")
-    texts_dir = Path(args.texts_corpus) if args.texts_corpus else out / "texts"
-    target = load_model(args.target, args.dtype)
-    layers = feature_layers(args.feature_layers, target.model.config.num_hidden_layers)
-    started = time.perf_counter()
+
+
+def _corpus(args: argparse.Namespace, target, layers: tuple[int, ...], corpus_dirs: list[Path]):
+    """(the report of the answers written, the report of the texts, the sequences to train on): the target's answers
+    to --prompts written to the first corpus directory, every corpus directory read, then the texts, streamed or
+    written to --texts-corpus."""
+    from tqdm import tqdm
+
+    from ..specialists.eagle_corpus import encode_prompts, read_corpus, read_prompt_files, write_corpus
+
     with tqdm(unit="batch", desc="target answers", disable=args.quiet) as bar:
 
         def answered(done: int, total: int, tokens: int) -> None:
@@ -129,29 +168,73 @@ def run(args: argparse.Namespace) -> None:
             )
         seqs = [s for d in corpus_dirs for s in read_corpus(d, layers)]
         texts = None
-        if args.texts:
+        if args.texts and args.stream:
+            texts, more = _streamed_texts(args, target)
+            seqs += more
+        elif args.texts:
             bar.reset()
             bar.set_description("texts read")
-            texts = write_corpus(
-                target,
-                encode_documents(target.tokenizer, args.texts, args.max_text_tokens),
-                texts_dir,
-                max_new_tokens=0,
-                batch_size=8,
-                max_tokens=args.texts_tokens,
-                feature_layers=layers,
-                progress=answered,
-            )
-            seqs += read_corpus(texts_dir, layers)
-    corpus_seconds = time.perf_counter() - started
+            texts, more = _stored_texts(args, target, layers, answered)
+            seqs += more
+    return corpus, texts, seqs
+
+
+def _streamed_texts(args: argparse.Namespace, target) -> tuple[dict, list]:
+    """The texts' report and token sequences, with no features: a prefill computes them as training needs them."""
+    import torch
+
+    from ..specialists.eagle_corpus import TokenFeatures, encode_documents
+
+    documents = _first_tokens(encode_documents(target.tokenizer, args.texts, args.max_text_tokens), args.texts_tokens)
+    texts = {"sequences": len(documents), "tokens": sum(map(len, documents)), "streamed": True}
+    return texts, [TokenFeatures(torch.tensor(d, dtype=torch.int32), torch.zeros(0)) for d in documents]
+
+
+def _stored_texts(args: argparse.Namespace, target, layers: tuple[int, ...], progress) -> tuple[dict, list]:
+    """The texts' report and sequences: the target's features on them written to --texts-corpus (default:
+    OUT/texts), then read back."""
+    from ..specialists.eagle_corpus import encode_documents, read_corpus, write_corpus
+
+    texts_dir = Path(args.texts_corpus) if args.texts_corpus else Path(args.out) / "texts"
+    texts = write_corpus(
+        target,
+        encode_documents(target.tokenizer, args.texts, args.max_text_tokens),
+        texts_dir,
+        max_new_tokens=0,
+        batch_size=8,
+        max_tokens=args.texts_tokens,
+        feature_layers=layers,
+        progress=progress,
+    )
+    return texts, read_corpus(texts_dir, layers)
+
+
+def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list) -> dict:
+    """Train the head on `seqs` (and report on --held-out), write it to OUT; its training summary."""
+    from tqdm import tqdm
+
+    from ..specialists.eagle_corpus import read_corpus
+    from ..specialists.eagle_prefill import PrefilledSequences
+    from ..specialists.eagle_train import StoredSequences, TrainConfig, train_head
+
     cfg = TrainConfig(
         epochs=args.epochs,
         lr=args.lr,
         batch_tokens=args.batch_tokens,
+        max_length=max(TrainConfig.max_length, args.max_text_tokens) if args.stream else TrainConfig.max_length,
         draft_vocab=args.draft_vocab,
         unroll=args.unroll,
         feature_layers=layers,
+        autocast=args.autocast,
     )
+    # streamed: every sequence's features (the answers' too) come from a prefill as its batch needs them
+    training = (
+        PrefilledSequences(target.model, [s.tokens for s in seqs], layers) if args.stream else StoredSequences(seqs)
+    )
+    held_out = (
+        StoredSequences([s for d in args.held_out for s in read_corpus(Path(d), layers)]) if args.held_out else None
+    )
+    out = Path(args.out)
     with tqdm(unit="step", desc="training", disable=args.quiet) as bar:
 
         def trained(step: int, steps: int, metrics: dict) -> None:
@@ -160,9 +243,28 @@ def run(args: argparse.Namespace) -> None:
             bar.set_postfix({k: round(v, 3) for k, v in metrics.items()})
 
         out.mkdir(parents=True, exist_ok=True)
-        summary = train_head(target, seqs, out, cfg, checkpoint=out / "checkpoint.pt", progress=trained)
-    report = {"corpus": corpus, "texts": texts, "corpus_wall_seconds": round(corpus_seconds, 1), "training": summary}
-    print(json.dumps(report, indent=1))
+        return train_head(
+            target,
+            training,
+            out,
+            cfg,
+            held_out=held_out,
+            checkpoint=out / "checkpoint.pt",
+            evaluate_every=args.evaluate_every,
+            progress=trained,
+        )
+
+
+def _first_tokens(documents: list[list[int]], budget: int | None) -> list[list[int]]:
+    """The documents, in their order, up to the one that brings their tokens to `budget` (all without one)."""
+    if budget is None:
+        return documents
+    total = 0
+    for n, document in enumerate(documents):
+        total += len(document)
+        if total >= budget:
+            return documents[: n + 1]
+    return documents
 
 
 def feature_layers(value: str, layers: int) -> tuple[int, ...]:

@@ -14,12 +14,14 @@ of similar length; causal attention keeps real positions from ever seeing paddin
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -29,6 +31,7 @@ from .distill import length_batches
 from .eagle_corpus import TokenFeatures
 
 MAX_UNROLL = 8  # EAGLE-3's recipes unroll up to 7-8 steps
+_LEARNING_KEYS = ("step", "tokens_seen", "train_seconds", "final", "held_out")
 
 
 @dataclass(frozen=True)
@@ -44,37 +47,86 @@ class TrainConfig:
     unroll: int = 1  # passes: from 2 on, also train on the head's own predicted features (training-time test)
     feature_layers: tuple[int, ...] = ()  # decoder layers fused with the final norm's output (EAGLE-3)
     seed: int = 0
+    autocast: bool = False  # the head's matmuls in bfloat16 (weights and optimiser stay float32)
 
 
-def draft_vocabulary(seqs: list[TokenFeatures], size: int, vocab_size: int, always: frozenset[int]) -> torch.Tensor:
+class TrainingSequences(Protocol):
+    """What training reads: token sequences and, for a batch of them, the target's features at every position.
+    `StoredSequences` reads them from a corpus written to disk; `eagle_prefill.PrefilledSequences` has the target
+    compute them when a batch needs them."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice) -> TrainingSequences: ...
+
+    def tokens(self, i: int) -> torch.Tensor: ...
+
+    def feature_width(self) -> int: ...
+
+    def stack(self, idx: list[int], max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded tokens [B, n] (long), features [B, n, D] (float32) and a mask of positions with a real
+        feature, for sequences `idx` cut to max_length."""
+        ...
+
+
+def right_padded(token_lists: list[torch.Tensor], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B, n] right-padded with 0 and the mask of real positions, each sequence cut to max_length."""
+    n = min(max(len(t) for t in token_lists), max_length)
+    tokens = torch.zeros(len(token_lists), n, dtype=torch.long)
+    real = torch.zeros(len(token_lists), n, dtype=torch.bool)
+    for row, t in enumerate(token_lists):
+        t = t[:n]
+        tokens[row, : len(t)] = t.long()
+        real[row, : len(t)] = True
+    return tokens, real
+
+
+@dataclass(frozen=True)
+class StoredSequences:
+    """A corpus read from disk (`eagle_corpus.read_corpus`): features as the target computed them once."""
+
+    seqs: list[TokenFeatures]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, index: slice) -> StoredSequences:
+        return StoredSequences(self.seqs[index])
+
+    def tokens(self, i: int) -> torch.Tensor:
+        return self.seqs[i].tokens
+
+    def feature_width(self) -> int:
+        return self.seqs[0].features.shape[1]
+
+    def stack(self, idx: list[int], max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, _ = right_padded([self.seqs[i].tokens for i in idx], max_length)
+        feats = torch.zeros(*tokens.shape, self.feature_width())
+        for row, i in enumerate(idx):
+            f = self.seqs[i].features[: tokens.shape[1]]
+            feats[row, : len(f)] = f.float()
+        real = feats.abs().sum(-1) > 0  # positions whose feature was computed (padding and a final token's are 0)
+        return tokens, feats, real
+
+
+def draft_vocabulary(seqs: TrainingSequences, size: int, vocab_size: int, always: frozenset[int]) -> torch.Tensor:
     """The `size` most frequent tokens of the corpus (the target's own answers: what it will emit), plus the end of
     sequence tokens, sorted; EAGLE-3's reduced draft vocabulary."""
-    counts = torch.bincount(torch.cat([s.tokens.long() for s in seqs]), minlength=vocab_size).float()
+    tokens = torch.cat([seqs.tokens(i).long() for i in range(len(seqs))])
+    counts = torch.bincount(tokens, minlength=vocab_size).float()
     for token in always:
         counts[token] = float("inf")
     return counts.topk(min(size, vocab_size)).indices.sort().values
 
 
-def _batches(seqs: list[TokenFeatures], cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
-    batches = length_batches([min(len(s.tokens), cfg.max_length) for s in seqs], cfg.batch_tokens)
+def _lengths(seqs: TrainingSequences, cfg: TrainConfig) -> list[int]:
+    return [min(len(seqs.tokens(i)), cfg.max_length) for i in range(len(seqs))]
+
+
+def _batches(seqs: TrainingSequences, cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
+    batches = length_batches(_lengths(seqs, cfg), cfg.batch_tokens)
     rng.shuffle(batches)
     return batches
-
-
-def _stack(
-    seqs: list[TokenFeatures], idx: list[int], max_length: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded tokens [B, n], features [B, n, D] (float32) and a mask of positions with a real feature."""
-    n = min(max(len(seqs[i].tokens) for i in idx), max_length)
-    d = seqs[idx[0]].features.shape[1]
-    tokens = torch.zeros(len(idx), n, dtype=torch.long)
-    feats = torch.zeros(len(idx), n, d)
-    for row, i in enumerate(idx):
-        t = seqs[i].tokens[:n]
-        tokens[row, : len(t)] = t.long()
-        feats[row, : len(t)] = seqs[i].features[:n].float()
-    real = feats.abs().sum(-1) > 0  # positions whose feature was computed (padding and a final token's are 0)
-    return tokens, feats, real
 
 
 def _pass_loss(
@@ -169,14 +221,14 @@ def head_loss(
     return loss, metrics
 
 
-def held_out_split(seqs: list[TokenFeatures]) -> tuple[list[TokenFeatures], list[TokenFeatures]]:
+def held_out_split(seqs: TrainingSequences) -> tuple[TrainingSequences, TrainingSequences]:
     """(held out, trained on): the first ~2 % of the sequences are kept out of training."""
     held = seqs[: len(seqs) // 50]
     return held, seqs[len(held) :]
 
 
 @torch.no_grad()
-def held_out_metrics(head, embed, readout, seqs: list[TokenFeatures], cfg: TrainConfig) -> dict:
+def held_out_metrics(head, embed, readout, seqs: TrainingSequences, cfg: TrainConfig) -> dict:
     """Losses and top-1 agreement with the target's next token on sequences kept out of training (no noise): from
     true features (`top1`, a draft's first token), from the head's own prediction of the previous feature
     (`top1_2`, a second token's step) and both in a row (`both`: a greedy draft's first two tokens accepted),
@@ -184,8 +236,8 @@ def held_out_metrics(head, embed, readout, seqs: list[TokenFeatures], cfg: Train
     quiet = TrainConfig(**{**asdict(cfg), "noise": 0.0, "unroll": max(cfg.unroll, 2)})
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for idx in length_batches([min(len(s.tokens), cfg.max_length) for s in seqs], cfg.batch_tokens):
-        tokens, feats, real = _stack(seqs, idx, cfg.max_length)
+    for idx in length_batches(_lengths(seqs, cfg), cfg.batch_tokens):
+        tokens, feats, real = seqs.stack(idx, cfg.max_length)
         _, metrics = head_loss(head, embed, readout, tokens, feats, real, quiet)
         counted = [int(m.sum()) for m in _step_masks(real[:, 1:] & real[:, :-1], quiet.unroll)]
         for key, value in metrics.items():
@@ -195,23 +247,9 @@ def held_out_metrics(head, embed, readout, seqs: list[TokenFeatures], cfg: Train
     return {"sequences": len(seqs), **{k: round(totals[k] / max(1, counts[k]), 4) for k in totals}}
 
 
-def train_head(
-    target,
-    seqs: list[TokenFeatures],
-    out: Path,
-    cfg: TrainConfig,
-    *,
-    checkpoint: Path | None = None,
-    save_every: int = 50,
-    progress: Callable[[int, int, dict], None] | None = None,
-) -> dict:
-    """Train a head for `target` (a LoadedModel) on `seqs`, write it to `out`, and return its training summary.
-
-    Every save_every steps (and at the end) the head, optimiser, step and random state are saved to `checkpoint`;
-    a run started with the same checkpoint path resumes from it and ends where an uninterrupted run would.
-    progress(step, steps, metrics) is called after each step (after its checkpoint)."""
-    torch.manual_seed(cfg.seed)
-    model = target.model
+def _check_config(cfg: TrainConfig, hidden_size: int, *corpora: TrainingSequences | None) -> None:
+    """Refuse fused features without the training-time test or with their layers unsorted, an unroll out of range,
+    and a corpus whose features are not those `cfg` reads."""
     if cfg.feature_layers and (cfg.unroll < 2 or list(cfg.feature_layers) != sorted(set(cfg.feature_layers))):
         raise ValueError(
             "fused features need the training-time test (unroll >= 2: from its second draft token on, the head "
@@ -219,87 +257,174 @@ def train_head(
         )
     if not 1 <= cfg.unroll <= MAX_UNROLL:
         raise ValueError(f"unroll must be 1 .. {MAX_UNROLL}, got {cfg.unroll}")
-    width = (len(cfg.feature_layers) + 1) * model.config.hidden_size
-    if any(s.features.shape[1] != width for s in seqs):
+    width = (len(cfg.feature_layers) + 1) * hidden_size
+    if any(s.feature_width() != width for s in corpora if s is not None and len(s)):
         raise ValueError(
             f"the corpus's features are not the final norm's and decoder layers {list(cfg.feature_layers)}' outputs "
             f"({width} columns); read it with read_corpus(dir, feature_layers)"
         )
-    held, seqs = held_out_split(seqs)
+
+
+def _optimiser(
+    head: EagleHead, lr: float, steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW at peak rate `lr`, warmed up over the first ~5 % of the steps, with a cosine decay to 0."""
+    optim = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    return optim, sched
+
+
+@dataclass
+class _Training:
+    """A head in training on `seqs`, reported on `held`. Its checkpoint holds what a resumed run needs to end where
+    an uninterrupted one would: the head, optimiser and schedule, the step, the time, the positions seen and the
+    random state (with the configuration and step count it belongs to)."""
+
+    head: EagleHead
+    embed: torch.nn.Module
+    readout: torch.Tensor
+    seqs: TrainingSequences
+    held: TrainingSequences
+    cfg: TrainConfig
+    steps: int
+    optim: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    step: int = 0
+    seconds: float = 0.0
+    seen: int = 0  # real positions trained on
+
+    def load(self, checkpoint: Path) -> None:
+        state = torch.load(checkpoint, weights_only=False)
+        # a setting the checkpoint predates had its default then
+        if {**asdict(TrainConfig()), **state["config"]} != asdict(self.cfg) or state["steps"] != self.steps:
+            raise ValueError(f"checkpoint {checkpoint} is of another training configuration; remove it to restart")
+        self.head.load_state_dict(state["head"])
+        self.optim.load_state_dict(state["optim"])
+        self.sched.load_state_dict(state["sched"])
+        self.step, self.seconds, self.seen = state["step"], state["seconds"], state.get("tokens_seen", 0)
+        torch.set_rng_state(state["rng"])
+
+    def save(self, checkpoint: Path | None) -> None:
+        if checkpoint is None:
+            return
+        tmp = checkpoint.with_suffix(".tmp")
+        torch.save(
+            {
+                "config": asdict(self.cfg),
+                "steps": self.steps,
+                "step": self.step,
+                "seconds": self.seconds,
+                "tokens_seen": self.seen,
+                "head": self.head.state_dict(),
+                "optim": self.optim.state_dict(),
+                "sched": self.sched.state_dict(),
+                "rng": torch.get_rng_state(),
+            },
+            tmp,
+        )
+        tmp.rename(checkpoint)
+
+    def train_step(self, idx: list[int]) -> dict[str, float]:
+        """One optimiser step on the sequences `idx` (reading or computing their features counts in its time);
+        the step's metrics."""
+        started = time.perf_counter()
+        tokens, feats, real = self.seqs.stack(idx, self.cfg.max_length)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast):
+            loss, metrics = head_loss(self.head, self.embed, self.readout, tokens, feats, real, self.cfg)
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.optim.step()
+        self.sched.step()
+        self.step, self.seen = self.step + 1, self.seen + int(real.sum())
+        self.seconds += time.perf_counter() - started
+        return metrics
+
+    def summary(self, metrics: dict[str, float]) -> dict:
+        """The training summary: configuration, data, progress, the last step's metrics and the held-out ones."""
+        self.head.eval()
+        measured = (
+            held_out_metrics(self.head, self.embed, self.readout, self.held, self.cfg) if len(self.held) else None
+        )
+        self.head.train()
+        return {
+            "train_config": asdict(self.cfg),
+            "sequences": len(self.seqs),
+            "tokens": sum(len(self.seqs.tokens(i)) for i in range(len(self.seqs))),
+            "steps": self.steps,
+            "step": self.step,
+            "tokens_seen": self.seen,
+            "train_seconds": round(self.seconds, 1),
+            "final": {k: round(v, 4) for k, v in metrics.items()},
+            "held_out": measured,
+        }
+
+
+def _record_learning(training: _Training, target, out: Path, metrics: dict[str, float]) -> None:
+    """Write the head so far to `out` and append its held-out metrics to out/learning.jsonl: a learning curve, and a
+    usable head while a long run goes on."""
+    record = training.summary(metrics)
+    save_head(out, training.head.eval(), target.spec, TargetCheck.of(target.model), record)
+    training.head.train()
+    with open(out / "learning.jsonl", "a", encoding="utf-8") as log:
+        log.write(json.dumps({k: record[k] for k in _LEARNING_KEYS}) + "\n")
+
+
+def train_head(
+    target,
+    seqs: TrainingSequences,
+    out: Path,
+    cfg: TrainConfig,
+    *,
+    held_out: TrainingSequences | None = None,
+    checkpoint: Path | None = None,
+    save_every: int = 50,
+    evaluate_every: int | None = None,
+    progress: Callable[[int, int, dict], None] | None = None,
+) -> dict:
+    """Train a head for `target` (a LoadedModel) on `seqs`, write it to `out`, and return its training summary.
+
+    held_out: the sequences whose metrics are reported (default: the first ~2 % of `seqs`, then left out).
+    Every save_every steps (and at the end) the head, optimiser, step and random state are saved to `checkpoint`;
+    a run started with the same checkpoint path resumes from it and ends where an uninterrupted run would.
+    Every evaluate_every steps the head is written to `out` and its held-out metrics appended to
+    out/learning.jsonl (a learning curve, and a usable head while a long run goes on).
+    progress(step, steps, metrics) is called after each step (after its checkpoint)."""
+    torch.manual_seed(cfg.seed)
+    model = target.model
+    _check_config(cfg, model.config.hidden_size, seqs, held_out)
+    held, seqs = (held_out, seqs) if held_out is not None else held_out_split(seqs)
     vocab = draft_vocabulary(seqs, cfg.draft_vocab, target.vocab_size, target.eos_token_ids)
     head = EagleHead(head_config_for(model, len(vocab), cfg.feature_layers), vocab)
     embed = model.get_input_embeddings().requires_grad_(False)  # the target's: gradients stop at the head
     readout = model.get_output_embeddings().weight[vocab].detach().float()
     steps_per_epoch = len(_batches(seqs, cfg, random.Random(0)))
     steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    optim = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
-    step, seconds = 0, 0.0
+    training = _Training(head, embed, readout, seqs, held, cfg, steps, *_optimiser(head, cfg.lr, steps))
     if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        # a setting the checkpoint predates had its default then
-        if {**asdict(TrainConfig()), **state["config"]} != asdict(cfg) or state["steps"] != steps:
-            raise ValueError(f"checkpoint {checkpoint} is of another training configuration; remove it to restart")
-        head.load_state_dict(state["head"])
-        optim.load_state_dict(state["optim"])
-        sched.load_state_dict(state["sched"])
-        step, seconds = state["step"], state["seconds"]
-        torch.set_rng_state(state["rng"])
-
-    def save_checkpoint() -> None:
-        if checkpoint is not None:
-            tmp = checkpoint.with_suffix(".tmp")
-            torch.save(
-                {
-                    "config": asdict(cfg),
-                    "steps": steps,
-                    "step": step,
-                    "seconds": seconds,
-                    "head": head.state_dict(),
-                    "optim": optim.state_dict(),
-                    "sched": sched.state_dict(),
-                    "rng": torch.get_rng_state(),
-                },
-                tmp,
-            )
-            tmp.rename(checkpoint)
-
+        training.load(checkpoint)
     head.train()
     metrics: dict[str, float] = {}
-    epoch = step // steps_per_epoch
-    while step < steps:
+    epoch = training.step // steps_per_epoch
+    while training.step < steps:
         batches = _batches(seqs, cfg, random.Random(cfg.seed + epoch))
-        for idx in batches[step % steps_per_epoch :]:
-            if step >= steps:
+        for idx in batches[training.step % steps_per_epoch :]:
+            if training.step >= steps:
                 break
-            started = time.perf_counter()
-            tokens, feats, real = _stack(seqs, idx, cfg.max_length)
-            loss, metrics = head_loss(head, embed, readout, tokens, feats, real, cfg)
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optim.step()
-            sched.step()
-            step += 1
-            seconds += time.perf_counter() - started
-            if step % save_every == 0:
-                save_checkpoint()
+            metrics = training.train_step(idx)
+            step = training.step
+            evaluating = bool(evaluate_every) and step % evaluate_every == 0 and step < steps
+            if step % save_every == 0 or evaluating:
+                training.save(checkpoint)
+            if evaluating:
+                _record_learning(training, target, out, metrics)
             if progress is not None:
                 progress(step, steps, metrics)
         epoch += 1
-    save_checkpoint()
-    head.eval()
-    summary = {
-        "train_config": asdict(cfg),
-        "sequences": len(seqs),
-        "tokens": int(sum(len(s.tokens) for s in seqs)),
-        "steps": steps,
-        "train_seconds": round(seconds, 1),
-        "final": {k: round(v, 4) for k, v in metrics.items()},
-        "held_out": held_out_metrics(head, embed, readout, held, cfg) if held else None,
-    }
-    save_head(out, head.eval(), target.spec, TargetCheck.of(model), summary)
-    return summary
+    training.save(checkpoint)
+    record = training.summary(metrics)
+    save_head(out, head.eval(), target.spec, TargetCheck.of(model), record)
+    return record
