@@ -21,7 +21,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = f"eagle:{args.head}" if args.head else "eagle"
     decoder = Decoder(target=args.target, dtype=args.dtype, drafters=[spec])
-    lm = decoder._lm
+    lm = decoder.target_cache
     ids = decoder.encode("Explain how photosynthesis works in plants, step by step, for a high-school student.")
     context = ids + decoder.generate(ids, max_new_tokens=160, policy="none").token_ids
 

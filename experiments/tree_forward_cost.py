@@ -9,7 +9,7 @@ from metasd.drafters.base import Draft
 from metasd.tree import DraftTree
 
 dec = Decoder(drafters="ngram")
-lm = dec._lm
+lm = dec.target_cache
 ids = dec.encode("Explain how photosynthesis works in plants, step by step, for a high-school student.")
 ctx = ids + dec.generate(ids, max_new_tokens=200, policy="none").token_ids
 

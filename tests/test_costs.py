@@ -42,7 +42,7 @@ def test_greedy_and_sampled_requests_learn_apart(embedded):
     decoder = Decoder(drafters=["ngram", "suffix"], policy="metasd-adaptive")
     decoder.generate(COPY, max_new_tokens=8)
     decoder.generate(COPY, max_new_tokens=8, temperature=0.7, seed=1)
-    policies = [p for p in decoder._policies.values() if isinstance(p, AdaptivePolicy)]
+    policies = [p for p in decoder.policies.values() if isinstance(p, AdaptivePolicy)]
     assert sorted(p.regime for p in policies) == ["greedy", "sampled"]
     assert policies[0] is not policies[1]
 
@@ -201,14 +201,14 @@ def test_after_a_burst_of_slow_forwards_the_policy_chooses_as_before(embedded, m
     for slow in (range(0), range(30, 38)):
         decoder = Decoder(drafters=["ngram"], policy="metasd-adaptive:max=4")
         decoder.cost_model().target = TargetCost([forward_time(m) for m in range(1, 14)])
-        decoder._lm.model = Timed(decoder._lm.model, clock, slow)
+        decoder.target_cache.model = Timed(decoder.target_cache.model, clock, slow)
         decoders.append(decoder)
     calm, burst = decoders
     for request in range(8):
         runs = [d.generate(COPY, max_new_tokens=40) for d in decoders]
         assert runs[0].token_ids == runs[1].token_ids
         if request == 1:
-            assert burst._lm.model.calls > 38  # the slow forwards happened in this request
+            assert burst.target_cache.model.calls > 38  # the slow forwards happened in this request
     assert [r.drafted for r in runs[1].stats.rounds] == [r.drafted for r in runs[0].stats.rounds]
     assert burst.cost_model().target.table() == pytest.approx(calm.cost_model().target.table())
 

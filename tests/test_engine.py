@@ -7,6 +7,7 @@ import pytest
 from helpers import greedy_reference
 
 from metasd import Decoder, Draft
+from metasd.drafters.base import Drafter
 from metasd.drafters.ngram import NgramDrafter
 from metasd.drafters.suffix import SuffixDrafter
 from metasd.policy.adaptive import AdaptivePolicy
@@ -44,17 +45,10 @@ POOL = ["ngram", "suffix", "early-exit:8", "lm:embedded:unquantized", "lm:embedd
 EXACT = "lm:embedded:unquantized"
 
 
-class NeverAgrees:
+class NeverAgrees(Drafter):
     """Drafts a token the target never predicts here: every round is a full rejection."""
 
     name = "never"
-    has_cache = False
-
-    def begin(self, prompt: list[int]) -> None:
-        pass
-
-    def end(self, context: list[int]) -> None:
-        pass
 
     def propose(self, context, k, params: SamplingParams, generator) -> Draft:
         return Draft([7] * k)  # a byte-fallback token that never appears in the outputs
@@ -137,7 +131,7 @@ def test_model_drafts_continued_by_free_drafters_are_lossless(decoder, cases, mo
         "extension",
         lambda self, arm, draft, after: next(((a, len(d.tokens)) for a, d in after.items() if d.tokens), None),
     )
-    continued, free = 0, [n for n in names if not decoder.drafters[n].has_cache]
+    continued, free = 0, [n for n in names if not decoder.drafters[n].runs_model]
     for category, ids, reference in cases:
         result = decoder.generate(ids, max_new_tokens=MAX_NEW, policy="metasd-adaptive:extend=1")
         assert result.token_ids == reference, f"continued drafts diverged from generate() on {category}"
@@ -172,7 +166,7 @@ def test_full_information_scores_free_drafters_without_drafting_with_them(decode
     for i, drafter in enumerate(generation.pool):
         own = drafted[drafter.name].pulls if drafter.name in drafted else 0
         # free drafters are observed every round, drafting or not; model drafters only when they draft
-        assert generation.policy.pulls[i] == (own if drafter.has_cache else drafting_rounds)
+        assert generation.policy.pulls[i] == (own if drafter.runs_model else drafting_rounds)
     assert sum(generation.policy.pulls) > drafting_rounds
 
 
@@ -265,21 +259,14 @@ def test_bad_decoder_configurations_raise_value_error(embedded):
         Decoder(drafters="early-exit:30")
 
 
-class SampledWithoutCache:
+class SampledWithoutCache(Drafter):
     """A free drafter (no cache) that samples its tokens and reports q: the engine cuts free proposals to the
     chosen length after seeing them, which is unbiased only for deterministic (one-hot) tokens."""
 
     name = "sampled-free"
-    has_cache = False
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-
-    def begin(self, prompt: list[int]) -> None:
-        pass
-
-    def end(self, context: list[int]) -> None:
-        pass
 
     def propose(self, context, k, params: SamplingParams, generator) -> Draft:
         import torch

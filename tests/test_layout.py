@@ -1,5 +1,6 @@
-"""The package's shape: no import cycle between its modules (lazy imports included), the engine knows nothing of
-the layers above it, and no module opens with more than a short docstring."""
+"""The package's shape: no import cycle between its modules (lazy imports included), every import points down the
+layers below, the engine knows nothing of the layers above it, no module opens with more than a short docstring,
+and no function or module outgrows what a reader takes in (80 and 500 lines)."""
 
 import ast
 from pathlib import Path
@@ -65,3 +66,44 @@ def test_argparse_lives_in_the_cli():
     for module, path in MODULES.items():
         if not module.startswith("metasd.cli"):
             assert "argparse" not in path.read_text(), module
+
+
+# Lowest first: a module may import its own layer's modules and those of the layers below, never one above.
+LAYERS = [
+    ("metasd.draft", "metasd.sampling", "metasd.stats", "metasd.processors"),  # records and sampling
+    ("metasd.tree", "metasd.outcome"),  # a round's draft tree and what it yielded
+    ("metasd.verify", "metasd.round", "metasd.models"),  # acceptance rules, a round's state, loading models
+    ("metasd.cached_model", "metasd.costs"),  # the target's cache, the machine's costs
+    ("metasd.drafters",),
+    ("metasd.policy",),
+    ("metasd.drafting", "metasd.engine"),  # one request's round
+    ("metasd.batching",),  # many requests' rounds
+    ("metasd.hf", "metasd.specialists", "metasd.serving"),
+    ("metasd.bench",),
+    ("metasd.cli",),
+    ("metasd",),  # the package's public names
+]
+
+
+def layer(module: str) -> int:
+    matches = [i for i, names in enumerate(LAYERS) for name in names if module == name or module.startswith(name + ".")]
+    assert matches, f"{module} is in no layer: add it to LAYERS"
+    return max(matches)
+
+
+def test_no_module_imports_upward():
+    for module in MODULES:
+        up = {m for m in imports(module) if layer(m) > layer(module)}
+        assert not up, f"{module} (layer {layer(module)}) imports {sorted(up)} from above"
+
+
+def test_no_function_over_80_lines_and_no_module_over_500():
+    long = []
+    for module, path in MODULES.items():
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            long.append(f"{module}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long

@@ -12,7 +12,7 @@ from helpers import chi2, chi2_bound, greedy_reference, tiny_vocab_llama
 from transformers import LlamaForCausalLM
 
 from metasd import Decoder
-from metasd.drafters.base import Draft
+from metasd.drafters.base import Draft, Drafter
 from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
 from metasd.policy.adaptive import AdaptivePolicy
 from metasd.sampling import SamplingParams, probabilities
@@ -96,20 +96,13 @@ def test_the_check_fails_when_q_is_processed_differently(pair):
     assert stat > chi2_bound(df), (stat, df)
 
 
-class TargetGuess:
+class TargetGuess(Drafter):
     """A free drafter that proposes the target's most likely next token: deterministic given the context."""
 
     name = "guess"
-    has_cache = False
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
-
-    def begin(self, prompt: list[int]) -> None:
-        pass
-
-    def end(self, context: list[int]) -> None:
-        pass
 
     def propose(self, context, k, params, generator) -> Draft:
         with torch.no_grad():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -43,7 +44,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def feature_layers_read_by(drafters) -> tuple[int, ...]:
     """The decoder layers, beyond the final norm, whose outputs some drafter of `drafters` reads (EAGLE heads with
     fused features), sorted: what a target cache keeps for all of them."""
-    return tuple(sorted({layer for d in drafters for layer in getattr(d, "feature_layers", ())}))
+    return tuple(sorted({layer for d in drafters for layer in d.feature_layers}))
 
 
 def feature_columns(kept: Sequence[int], wanted: Sequence[int], d: int) -> torch.Tensor | None:
@@ -86,6 +87,26 @@ def feature_tap(model: torch.nn.Module, layers: Sequence[int] = ()) -> Iterator[
     finally:
         for hook in hooks:
             hook.remove()
+
+
+class TargetCache(Protocol):
+    """What verifies a request's rounds: the target's KV cache for one request, which mirrors a token list (it keeps
+    the cached prefix a new context shares and feeds the rest: no caller crops). `CachedModel` for a request
+    decoding alone, a batch's row (`batching.slots.Row`) for one of many."""
+
+    fed_tokens: int  # tokens fed to the model so far (a prefill shows as more than a round's tree)
+    keep_features: bool
+    feature_layers: tuple[int, ...]
+
+    def reset(self) -> None: ...
+
+    def logits_for_tree(self, context: list[int], tree: DraftTree) -> torch.Tensor:
+        """Logits [1 + tree.size, V]: row 0 after the context, 1 + i after node i of the tree."""
+        ...
+
+    def features_for(self, tokens: list[int]) -> torch.Tensor:
+        """The target's features [n, D] for the longest prefix of `tokens` computed."""
+        ...
 
 
 class CachedModel:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.base import Draft
+from .draft import Draft
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,13 @@ class GenerationStats:
         if rounds:
             out["round_log"] = [asdict(r) for r in self.rounds]
         return out
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request: its text, the ids it generated, its statistics and why it stopped."""
+
+    text: str
+    token_ids: list[int]  # generated ids only
+    stats: GenerationStats
+    finish_reason: str  # "stop" (end-of-sequence token) or "length" (max_new_tokens)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters.base import Draft
+from .draft import Draft
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .sampling import SamplingParams, probabilities
 from .tree import DraftTree
 
 
@@ -100,3 +101,20 @@ def verify_tree_sampling(p: torch.Tensor, tree: DraftTree, generator: torch.Gene
             r = r / total if total > 0 else p[node + 1]  # 0 only where r equalled q up to rounding
         else:
             return Verdict(len(path), int(torch.multinomial(r, 1, generator=generator)), None, tuple(path))
+
+
+def verify_round(
+    logits: torch.Tensor, tree: DraftTree, params: SamplingParams, generator: torch.Generator
+) -> tuple[Verdict, torch.Tensor | None]:
+    """The acceptance rule of a round over its tree, greedy or sampled as `params` say (logits already processed):
+    the verdict and p (sampling only: the target's distributions at the rows of the chosen draft)."""
+    p = None if params.greedy else probabilities(logits, params)
+    main = tree.branches[0]
+    if len(tree.branches) > 1:
+        verdict = verify_tree_greedy(logits, tree) if p is None else verify_tree_sampling(p, tree, generator)
+        p = None if p is None else p[[0, *(n + 1 for n in main.nodes)]]
+    elif p is None:
+        verdict = verify_greedy(logits, main.draft.tokens)
+    else:
+        verdict = verify_sampling(p, main.draft.q, main.draft.tokens, generator)
+    return verdict, p

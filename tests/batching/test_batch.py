@@ -12,12 +12,12 @@ import torch
 from helpers import chi2, chi2_bound
 from test_sampling_distribution import DRAWS, PARAMS, PROMPT, _decoder, exact_pairs
 
+import metasd.engine as engine
 from metasd import Decoder
 from metasd.batching.batch import Batch
 from metasd.batching.decision import Plan, decide
 from metasd.cached_model import CachedModel
 from metasd.drafters.eagle import EagleDrafter
-from metasd.engine import Generation
 from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
 from metasd.policy.adaptive import AdaptivePolicy, Option
 
@@ -144,8 +144,8 @@ def test_a_batch_that_cannot_gain_from_drafting_skips_the_proposals(decoder, alo
     batch = Batch(decoder, max_batch=2)
     batch.costs.widths = lambda size, max_width: [0.03 * w * w for w in range(1, max_width + 1)]
     asked = Counter()
-    for name in ("_proposals", "options"):
-        owner = Generation if name == "_proposals" else AdaptivePolicy
+    for name in ("free_proposals", "options"):
+        owner = engine if name == "free_proposals" else AdaptivePolicy
         original = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _f=original, _n=name, **kw: asked.update([_n]) or _f(*a, **kw))
     requests = [decoder.stream(p, max_new_tokens=40) for p in PROMPTS[3:]]

@@ -20,6 +20,7 @@ from metasd.bench.summary import first_difference, mismatches
 from metasd.cli import main
 from metasd.cli.bench import _list
 from metasd.drafters import Draft
+from metasd.drafters.base import Drafter
 from metasd.drafters.suffix import SuffixDrafter
 from metasd.sampling import SamplingParams
 from metasd.stats import Round
@@ -130,39 +131,25 @@ def test_regret_of_a_round_log() -> None:
     assert regret(table, [empty], names).per_round == [2]
 
 
-class Copier:
+class Copier(Drafter):
     """A model-free drafter that knows the reference: drafts it exactly from any position."""
-
-    has_cache = False
 
     def __init__(self, reference: list[int], prompt_len: int, name: str = "copier"):
         self.reference, self.prompt_len, self.name = reference, prompt_len, name
-
-    def begin(self, prompt: list[int]) -> None:
-        pass
-
-    def end(self, context: list[int]) -> None:
-        pass
 
     def propose(self, context, k, params, generator) -> Draft:
         pos = len(context) - self.prompt_len
         return Draft(self.reference[pos : pos + k])
 
 
-class Constant:
-    """Always drafts token 0 (wrong here); `has_cache` makes the table probe it one token at a time."""
+class Constant(Drafter):
+    """Always drafts token 0 (wrong here); `runs_model` makes the table probe it one token at a time."""
 
     name = "zero"
 
-    def __init__(self, has_cache: bool):
-        self.has_cache = has_cache
+    def __init__(self, runs_model: bool):
+        self.runs_model = runs_model
         self.calls = 0
-
-    def begin(self, prompt: list[int]) -> None:
-        pass
-
-    def end(self, context: list[int]) -> None:
-        pass
 
     def propose(self, context, k, params, generator) -> Draft:
         self.calls += 1
@@ -171,7 +158,7 @@ class Constant:
 
 def test_acceptance_table_on_synthetic_drafters() -> None:
     prompt, reference = [9, 9, 9], [5, 6, 7, 8, 0, 0]
-    model_like = Constant(has_cache=True)
+    model_like = Constant(runs_model=True)
     table = acceptance_table(
         [Copier(reference, len(prompt)), model_like, Constant(False)], prompt, reference, max_draft=3, max_new_tokens=6
     )
@@ -190,7 +177,7 @@ def test_acceptance_table_on_synthetic_drafters() -> None:
 
 def test_history_gives_every_method_the_same_suffix_index() -> None:
     suffix = SuffixDrafter(depth=4)
-    history = DrafterHistory({"suffix": suffix, "model": Constant(has_cache=True), "free": Constant(has_cache=False)})
+    history = DrafterHistory({"suffix": suffix, "model": Constant(runs_model=True), "free": Constant(runs_model=False)})
     assert list(history.stateful) == ["suffix"]  # only a drafter that learns across requests is snapshotted
     params = SamplingParams()
     answer = [11, 12, 13, 14, 15]
@@ -526,7 +513,7 @@ def test_repeats_start_from_one_state_and_keep_the_fastest(embedded) -> None:
     decoder = Decoder(drafters="ngram,suffix")
     question = Question(1, "qa", ("Name three colours of the rainbow.",))
     decoder.generate("Count from one to five.", max_new_tokens=6)  # the policy exists and has learned something
-    (policy,) = [p for p in decoder._policies.values() if p is not None]
+    (policy,) = [p for p in decoder.policies.values() if p is not None]
     seen, walls, runs, references = [], {"ar": [], "metasd-adaptive": []}, [], []
 
     def runner(method):

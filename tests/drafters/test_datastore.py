@@ -134,7 +134,7 @@ def test_drafter_proposes_the_known_continuation(tmp_path):
     corpus.write_text("w1 w2 w3 w4 w5 w6 w1 w2 w3 w4 w5 w1 w2 w9 w0 w1 w2 w7 w8")
     build_index([str(corpus)], tmp_path / "idx", tok, depth=4, progress=False)
     drafter = DatastoreDrafter(Datastore(tmp_path / "idx"))
-    assert drafter.has_cache is False
+    assert drafter.runs_model is False
     draft = drafter.propose([tok.vocab["w11"], 1, 2], 3, GREEDY, None)
     assert draft.tokens == [3, 4, 5]
     assert drafter.last.match_length == 2 and drafter.last.counts == [2, 2, 2] and drafter.last.matches == [4, 2, 2]

@@ -206,7 +206,7 @@ def test_a_fused_head_and_a_plain_one_read_one_cache_and_output_stays_the_target
     make_head(embedded.model, tmp_path, torch.arange(8192), layers=(1, 14))
     fused, plain = f"eagle:{tmp_path}", f"eagle:{head_dir}"
     decoder = Decoder(drafters=[fused, plain])
-    assert decoder._lm.feature_layers == (1, 14)
+    assert decoder.target_cache.feature_layers == (1, 14)
     ids = decoder.encode("Name two rivers in Europe.")
     for spec in (fused, plain):
         result = decoder.generate(ids, max_new_tokens=24, policy=f"fixed:{spec}")

@@ -326,7 +326,7 @@ def test_branches_are_cut_where_their_tokens_stop_paying_and_the_tree_within_its
     policy = tree_policy(table, accept=0.5)
     proposals = siblings()
     tree = DraftTree.chain(proposals[2].truncated(2), 2)
-    policy._bar = 1.0 / 0.010
+    policy.bar = 1.0 / 0.010
     for arm, branch in policy.branches(tree, proposals, 12):
         tree.add(arm, branch)
     assert tree.size == 4
@@ -342,10 +342,10 @@ def test_a_model_drafts_runner_up_is_a_sibling_where_its_token_is_likely_rejecte
     """A model draft whose first token is accepted half the time: its runner-up there, right 80 % of the times
     the token is not, joins the tree as one node; where the model's token is never rejected it does not."""
     policy = tree_policy([0.010] * 13, accept=0.5)
-    runner = 2 * policy.n_arms + 3
+    runner = policy.tables.runner_up(3)
     policy.acceptance.accepted[runner], policy.acceptance.tried[runner] = 160, 200
     draft = Draft([40, 41], confidence=[0.5, 0.5], runners_up=[(50, 0.3), (51, 0.3)])
-    policy._bar = 1.0 / 0.010
+    policy.bar = 1.0 / 0.010
     added = policy.branches(DraftTree.chain(draft, 3), {}, 12)
     assert [(a, b.tokens) for a, b in added] == [(3, [50]), (3, [40, 51])]
     policy.acceptance.accepted[3], policy.acceptance.tried[3] = 200, 200
@@ -355,7 +355,7 @@ def test_a_model_drafts_runner_up_is_a_sibling_where_its_token_is_likely_rejecte
 
 def test_a_model_drafts_runner_up_is_learned_from_every_round_it_could_have_been_tried():
     policy = tree_policy([0.010] * 13)
-    runner = 2 * policy.n_arms + 3
+    runner = policy.tables.runner_up(3)
     before = policy.acceptance.tried[runner].sum()
     draft = Draft([40, 41], confidence=[0.9, 0.9], runners_up=[(50, 0.3), (51, 0.3)], forwards=2)
     for emitted, hit in (([40, 51], 1.0), ([40, 52], 0.0), ([40, 41, 7], None)):
@@ -497,7 +497,7 @@ COPY = "Repeat this list exactly, twice: apple, banana, cherry, dates, elderberr
 def test_engine_learns_expensive_verification_online_and_stops_drafting(embedded):
     decoder = Decoder(drafters=["ngram", "suffix"], policy="metasd-adaptive:max=3")
     reference = decoder.generate(COPY, max_new_tokens=40, policy="none").token_ids
-    decoder._lm.model = SlowMultiToken(decoder._lm.model, per_token=0.3)
+    decoder.target_cache.model = SlowMultiToken(decoder.target_cache.model, per_token=0.3)
     for _ in range(2):  # the calibration said drafting is cheap; rounds measure otherwise
         result = decoder.generate(COPY, max_new_tokens=40)
         assert result.token_ids == reference

@@ -127,12 +127,12 @@ def test_policy_sync_shares_statistics_between_replicas() -> None:
     b = Decoder(drafters="ngram,suffix", policy="metasd-ucb", policy_scope="server")
     sync_a, sync_b = PolicySync(a, hub.merge, 0.0), PolicySync(b, hub.merge, 0.0)
     a.generate("Repeat: one two three one two three one two three", max_new_tokens=12)
-    learned = dict(a._policies)
+    learned = dict(a.policies)
     ((key, policy_a),) = learned.items()
     assert sum(policy_a.state()["pulls"]) > 0
     sync_a.sync()
     sync_b.sync()  # b had never served with this policy (made at construction): it adopts the pooled statistics
-    policy_b = b._policies[key]
+    policy_b = b.policies[key]
     assert policy_b.state() == policy_a.state()
     b.generate("Count: 1 2 3 1 2 3 1 2 3", max_new_tokens=12)
     sync_b.sync()
@@ -172,14 +172,14 @@ def test_a_policy_evicted_and_made_again_never_lowers_the_pool(monkeypatch) -> N
     a = _ucb()
     sync = PolicySync(a, hub.merge, 0.0)
     a.generate("Repeat: one two three one two three one two three", max_new_tokens=24)
-    ((key, first),) = a._policies.items()
+    ((key, first),) = a.policies.items()
     sync.sync()
     pooled = _counts(first)
     monkeypatch.setattr(metasd.engine, "_POLICY_CACHE", 1)
     a.generate("Count: 1 2 3 1 2 3", max_new_tokens=4, policy="metasd-ucb:0.5")  # evicts `key`
-    assert key not in a._policies
+    assert key not in a.policies
     a.generate("Count: 1 2 3 1 2 3", max_new_tokens=4)  # made again from zero
-    again = a._policies[key]
+    again = a.policies[key]
     assert again is not first and sum(_counts(again)[0]) < sum(pooled[0])
     learned = _counts(again)
     sync.sync()
@@ -224,12 +224,12 @@ def test_a_replica_adopts_only_the_keys_it_holds() -> None:
     sync_a, sync_b = PolicySync(a, hub.merge, 0.0), PolicySync(b, hub.merge, 0.0)
     a.generate("Repeat: one two three one two three", max_new_tokens=8)
     b.generate("Count: 1 2 3 1 2 3", max_new_tokens=8, policy="metasd-ucb", temperature=0.5, seed=0)
-    held = list(b._policies)
+    held = list(b.policies)
     sync_a.sync()
     sync_b.sync()
-    assert list(b._policies) == held  # a's greedy metasd-ucb key is not made in b
-    ((key, policy_a),) = a._policies.items()
-    assert key not in b._policies and sum(policy_a.state()["pulls"]) > 0
+    assert list(b.policies) == held  # a's greedy metasd-ucb key is not made in b
+    ((key, policy_a),) = a.policies.items()
+    assert key not in b.policies and sum(policy_a.state()["pulls"]) > 0
 
 
 def test_a_restarted_hub_counts_each_replicas_learning_exactly_once() -> None:
@@ -245,8 +245,8 @@ def test_a_restarted_hub_counts_each_replicas_learning_exactly_once() -> None:
 
     a, b = _ucb(), _ucb()
     sync_a, sync_b = PolicySync(a, merge, 0.0), PolicySync(b, merge, 0.0)
-    ((key, policy_a),) = a._policies.items()
-    policy_b = b._policies[key]
+    ((key, policy_a),) = a.policies.items()
+    policy_b = b.policies[key]
     a.generate("Repeat: one two three one two three one two three", max_new_tokens=16)
     own_a = _counts(policy_a)
     sync_a.sync()
@@ -281,13 +281,13 @@ def test_an_unresponsive_hub_costs_a_request_the_sync_timeout_at_most(local_ray)
     hub = StuckHub.remote()
     a = _ucb()
     a.generate("Repeat: one two three one two three", max_new_tokens=8)
-    ((key, policy),) = a._policies.items()
+    ((key, policy),) = a.policies.items()
     learned = policy.state()
     sync = PolicySync(a, remote_merge(hub, timeout_s=0.5), 0.0)
     start = time.monotonic()
     sync.maybe_sync()  # logs the timeout and serves on
     assert time.monotonic() - start < 5
-    assert sync.syncs == 0 and policy.state() == learned and a._policies[key] is policy
+    assert sync.syncs == 0 and policy.state() == learned and a.policies[key] is policy
     ray.kill(hub)
 
 

@@ -13,8 +13,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from metasd import Decoder, Draft
+from metasd.drafters.base import Drafter
 from metasd.serving.background import running
-from metasd.serving.server import _sendable, create_app
+from metasd.serving.server import create_app
+from metasd.serving.stop_strings import _sendable
 
 POOL = "ngram,suffix"
 MODEL = "embedded"
@@ -407,11 +409,11 @@ def test_a_client_leaving_the_queue_gives_its_place_back_at_once(small):
             assert queued.result(timeout=60).status_code == 200
 
 
-class _EndFails:
+class _EndFails(Drafter):
     """A free drafter that never proposes, whose `end` raises while `failures` is positive (shared by the copies a
     batch makes for each request)."""
 
-    name, has_cache = "ends-badly", False
+    name = "ends-badly"
 
     def __init__(self):
         self.failures = [0]
@@ -628,7 +630,7 @@ def test_post_without_json_content_type_is_415(server, content_type):
 
 
 def test_over_long_prompt_is_refused_by_length_before_tokenizing(server, reference):
-    from metasd.serving.server import _max_prompt_chars
+    from metasd.serving.protocol import _max_prompt_chars
 
     bound = _max_prompt_chars(reference.tokenizer, reference.target.max_length)
     assert bound >= reference.target.max_length * max(map(len, reference.tokenizer.get_vocab()))

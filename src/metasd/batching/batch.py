@@ -13,7 +13,6 @@ one is the single-request engine.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,11 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cached_model import feature_layers_read_by
-from ..drafters.base import for_request
 from ..engine import Decoder, Generation
 from ..policy import Policy
-from ..policy.adaptive import AdaptivePolicy
-from ..policy.base import ArmStats, state_delta
+from ..round import RoundState
 from .costs import BatchCost, load_or_calibrate_batch
 from .decision import Plan, decide
 from .slots import BatchedTarget, check_batched_logits
@@ -51,7 +48,7 @@ class Batch:
         self.decoder = decoder
         self.max_batch = max_batch
         check_batched_logits(decoder.target.model)  # a model the slots would decode unlike itself: refused now
-        readers = [d for d in decoder.drafters.values() if getattr(d, "reads_target_features", False)]
+        readers = [d for d in decoder.drafters.values() if d.reads_target_features]
         self.target = BatchedTarget(
             decoder.target.model,
             rows=max_batch,
@@ -87,20 +84,20 @@ class Batch:
         row = self.target.add_row()
         try:
             request.target = row
-            request.pool = [for_request(d) for d in request.pool]
+            request.pool = [d.fork() for d in request.pool]
             for drafter in request.pool:
-                if getattr(drafter, "reads_target_features", False):
+                if drafter.reads_target_features:
                     drafter.read_features_from(row)
             shared = request.policy
             if shared is not None:
-                request.policy = _copy_policy(shared)
+                request.policy = shared.for_request()
             request.begin()
             self.target.prefill(row, request.context)
         except BaseException:
             self.target.remove_row(row)
             raise
         if shared is not None:
-            self._policies[id(request)] = (shared, shared.state() if isinstance(shared, ArmStats) else None)
+            self._policies[id(request)] = (shared, shared.copy_start())
         self.requests.append(request)
 
     def leave(self, request: Generation) -> None:
@@ -115,10 +112,8 @@ class Batch:
             self.target.remove_row(request.target)
             self.requests.remove(request)
             shared, start = self._policies.pop(id(request), (None, None))
-            if start is not None:  # a bandit's statistics: add what this request learned to what the others added
-                shared.merge(state_delta(request.policy.state(), start))
-            elif shared is not None:  # what the request learned, for the requests after it
-                vars(shared).update({k: v for k, v in vars(request.policy).items() if k != "costs"})
+            if shared is not None:  # what the request learned, for the requests after it
+                shared.take_back(request.policy, start)
 
     def step(self) -> list[tuple[Generation, list[int]]]:
         """One round for every request in flight: the tokens each one added. Requests that ended have left; one
@@ -145,37 +140,36 @@ class Batch:
         requests, size = self.requests, len(self.requests)
         times = self.costs.widths(size, max(r.room for r in requests) + 1)
         drafts = self._may_draft(times)
-        turns = [request.outlook(propose=drafts) for request in requests]
+        states = [request.start_round(propose=drafts) for request in requests]
         if drafts:
-            decision = decide([_plan(request, turn) for request, turn in zip(requests, turns, strict=True)], times)
-            for request, turn, (arm, k) in zip(requests, turns, decision.choices, strict=True):
-                turn.arm, turn.k = arm, min(k, turn.limit)
-                if isinstance(request.policy, AdaptivePolicy):
-                    request.policy.use_bar(decision.rate)
-        for request, turn in zip(requests, turns, strict=True):
-            request.draft(turn, stop_rules=False)  # the batch chose k; a stop rule prices rounds of one
+            decision = decide([_plan(request, state) for request, state in zip(requests, states, strict=True)], times)
+            for request, state, (arm, k) in zip(requests, states, decision.choices, strict=True):
+                state.arm, state.k = arm, min(k, state.room)
+                if request.policy is not None:
+                    request.policy.set_bar(decision.rate)
+        for request, state in zip(requests, states, strict=True):
+            request.draft(state, stop_rules=False)  # the batch chose k; a stop rule prices rounds of one
         started = time.perf_counter()
-        logits = self.target.forward([(r.target, r.context, t.tree) for r, t in zip(requests, turns, strict=True)])
+        logits = self.target.forward([(r.target, r.context, t.tree) for r, t in zip(requests, states, strict=True)])
         ended = time.perf_counter()
-        self.costs.observe(size, max(t.tree.size for t in turns) + 1, ended - started)
+        self.costs.observe(size, max(t.tree.size for t in states) + 1, ended - started)
         out = []
-        for request, turn, rows in zip(requests, turns, logits, strict=True):
-            turn.clock.verifying, turn.clock.forwarded = started, ended
-            out.append((request, request.conclude(turn, rows, prefilled=False, alone=False)))
+        for request, state, rows in zip(requests, states, logits, strict=True):
+            state.clock.verifying, state.clock.forwarded = started, ended
+            out.append((request, request.accept(state, rows, prefilled=False, alone=False)))
         self._count(size, requests)
         return out
 
     def _may_draft(self, times: list[float]) -> bool:
         """Whether any drafting could pay this round: False when every request drafting k tokens at its policy's
-        ceiling (`AdaptivePolicy.ceiling`: the best acceptance it has seen, drafting free) still yields fewer tokens
+        ceiling (`Policy.ceiling`: the best acceptance it has seen, drafting free) still yields fewer tokens
         per second than a plain batch step, for every k. The round then skips every request's proposals and
         options, work it would pay for nothing. Policies without a ceiling (the bandits) always decide."""
         ceilings = []
         for request in self.requests:
             if request.policy is None or request.room <= 0:
                 ceilings.append(np.ones(len(times)))
-            elif isinstance(request.policy, AdaptivePolicy):
-                ceiling = request.policy.ceiling(request.room)
+            elif (ceiling := request.policy.ceiling(request.room)) is not None:
                 ceilings.append(np.concatenate([ceiling, np.full(len(times) - len(ceiling), ceiling[-1])]))
             else:
                 return True
@@ -192,18 +186,13 @@ class Batch:
         self.last = (size, drafted, accepted)
 
 
-def _plan(request: Generation, turn) -> Plan:
+def _plan(request: Generation, state: RoundState) -> Plan:
     policy = request.policy
-    if policy is None or turn.limit <= 0:
+    if policy is None or state.room <= 0:
         return Plan(fixed=(None, 0))
-    if isinstance(policy, AdaptivePolicy):
-        return Plan(policy.options(turn.limit, turn.proposals, turn.lags, remaining=turn.remaining, fresh=turn.fresh))
-    return Plan(fixed=policy.choose(turn.limit, turn.proposals, turn.lags, remaining=turn.remaining, fresh=turn.fresh))
-
-
-def _copy_policy(policy):
-    """A policy of its own for one request, starting from what the decoder's has learned; the machine's cost model
-    stays shared."""
-    twin = copy.copy(policy)
-    vars(twin).update(copy.deepcopy({k: v for k, v in vars(policy).items() if k != "costs"}))
-    return twin
+    options = policy.options(state.room, state.proposals, state.lags, remaining=state.remaining, fresh=state.fresh)
+    if options is not None:
+        return Plan(options)
+    return Plan(
+        fixed=policy.choose(state.room, state.proposals, state.lags, remaining=state.remaining, fresh=state.fresh)
+    )

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..costs import CONTEXT, CostModel, TargetCost, cache_file, calibration_key
-from ..drafters.base import Draft
+from ..draft import Draft
 from ..tree import DraftTree
 from .slots import BatchedTarget
 

@@ -46,7 +46,7 @@ def decide(plans: Sequence[Plan], round_seconds: Sequence[float]) -> Decision:
     arm: list[int | None] = [None] * n
     k = [0] * n
     gain, draft = np.ones(n), np.zeros(n)
-    honest_gain, honest_draft = np.ones(n), np.zeros(n)
+    expected_gain, expected_draft = np.ones(n), np.zeros(n)
     for i, plan in enumerate(plans):
         if plan.fixed is not None:
             arm[i], k[i] = plan.fixed
@@ -78,12 +78,12 @@ def decide(plans: Sequence[Plan], round_seconds: Sequence[float]) -> Decision:
                 arm[i], k[i] = best[1], best[2]
                 option = best[3]
                 if option is None:
-                    gain[i], draft[i], honest_gain[i], honest_draft[i] = 1.0, 0.0, 1.0, 0.0
+                    gain[i], draft[i], expected_gain[i], expected_draft[i] = 1.0, 0.0, 1.0, 0.0
                 else:
                     gain[i], draft[i] = option.gain[k[i]], option.draft[k[i]]
-                    honest_gain[i], honest_draft[i] = option.honest_gain[k[i]], option.honest_draft[k[i]]
+                    expected_gain[i], expected_draft[i] = option.expected_gain[k[i]], option.expected_draft[k[i]]
         if not changed:
             break
     width = min(max(k, default=0) + 1, len(times))
-    rate = float(honest_gain.sum() / (times[width - 1] + honest_draft.sum()))
+    rate = float(expected_gain.sum() / (times[width - 1] + expected_draft.sum()))
     return Decision(list(zip(arm, k, strict=True)), width, rate)

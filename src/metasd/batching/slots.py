@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cached_model import common_prefix, feature_tap
-from ..drafters.base import Draft
+from ..draft import Draft
 from ..models.loading import context_length
 from ..models.logits import ModelHead
 from ..tree import DraftTree
@@ -102,8 +102,8 @@ def _resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 class Row:
     """One request's row: the tokens its slots hold (`tokens`, plus a verified tree's nodes until settled).
 
-    It offers what `Generation` and EAGLE drafters use of a `CachedModel`: `logits_for_tree` (a forward of this row
-    alone), `features_for`, `fed_tokens`, `keep_features`, `reset`."""
+    It is a `TargetCache`, as `CachedModel` is: `logits_for_tree` (a forward of this row alone), `features_for`,
+    `fed_tokens`, `keep_features`, `feature_layers`, `reset`."""
 
     def __init__(self, owner: BatchedTarget, index: int):
         self.owner, self.index = owner, index

@@ -15,7 +15,7 @@ import pickle
 
 class DrafterHistory:
     def __init__(self, drafters: dict):
-        self.stateful = {name: d for name, d in drafters.items() if getattr(d, "learns_across_requests", False)}
+        self.stateful = {name: d for name, d in drafters.items() if d.learns_across_requests}
         self._snapshot = self._capture()
 
     def _capture(self) -> dict[str, bytes]:

@@ -67,7 +67,7 @@ def acceptance_table(
 ) -> AcceptanceTable:
     """accepted[pos, d] for every position of the reference, for drafts of up to `max_draft` tokens.
 
-    A model drafter (`has_cache`) drafts greedily one token at a time from context + its own tokens, so while its
+    A model drafter (`runs_model`) drafts greedily one token at a time from context + its own tokens, so while its
     tokens match the reference, drafting k tokens equals probing one token at a time along the reference; the probe
     stops at the first mismatch, which costs accepted + 1 forwards instead of k. Model-free drafters (n-gram lookup,
     suffix index) may draft a block from one match, so they are asked for the whole block, as are EAGLE heads (they
@@ -82,7 +82,7 @@ def acceptance_table(
     # an EAGLE head drafts its later tokens from its own predicted features, not the target's: probing it along the
     # reference would feed it the true ones, so it is asked for whole blocks like the model-free drafters
     per_token = np.array(
-        [bool(getattr(d, "has_cache", False)) and not getattr(d, "reads_target_features", False) for d in drafters],
+        [d.runs_model and not d.reads_target_features for d in drafters],
         dtype=bool,
     )
     seconds = np.zeros(len(drafters))

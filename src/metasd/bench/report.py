@@ -33,8 +33,40 @@ def _per_group(summary: dict, key: str, digits: int = 2) -> list[str]:
 
 
 def render(summary: dict, plots: list[str]) -> str:
+    """report.md: the run's header, then one section per table, from summary.json's content and the plot files."""
+    out = [
+        *_header(summary),
+        *_correctness(summary),
+        *_per_group_section(
+            summary,
+            "Speedup over `ar`",
+            "speedup",
+            intro="Spec-Bench's definition: mean tokens/s of the method over `ar`'s on the same questions.",
+        ),
+        *_per_group_section(
+            summary,
+            "Mean accepted tokens",
+            "mean_accepted_tokens",
+            intro="Tokens per target forward (accepted draft tokens + 1), pooled over rounds.",
+        ),
+        *_per_group_section(summary, "Tokens per second", "tokens_per_second", 1),
+        *_oracles(summary),
+        *_oracle_shares(summary),
+        *_engine(summary),
+        *_rewards(summary),
+        *_target_cost(summary),
+        *_draft_lengths(summary),
+    ]
+    if summary.get("drift"):
+        out += _drift(summary)
+    if plots:
+        out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(line for line in out) + "\n"
+
+
+def _header(summary: dict) -> list[str]:
+    """The title and what was run: command, models, questions, software, machine and where the time went."""
     c = summary["config"]
-    methods = summary["methods"]
     out = ["# metasd bench", ""]
     weights = c.get("drafter_weights", {})
     pool = ", ".join(f"`{label(d)}`" + (f" (weights: {weights[d]})" if d in weights else "") for d in c["drafters"])
@@ -52,8 +84,13 @@ def render(summary: dict, plots: list[str]) -> str:
         f"{c['loadavg_start']} / {c['loadavg_end']} (other processes on the machine skew absolute speeds)",
         "",
     ]
+    return out
+
+
+def _correctness(summary: dict) -> list[str]:
+    """Every method's outputs against `ar`'s: the mismatch count, and where each mismatch starts."""
     corr = summary["correctness"]
-    out += [
+    out = [
         "## Correctness",
         "",
         f"Greedy outputs of every method compared token for token with `ar`: {corr['compared_turns']} turns, "
@@ -75,20 +112,20 @@ def render(summary: dict, plots: list[str]) -> str:
                 for d in corr["details"]
             ],
         )
-    out += [
-        "## Speedup over `ar`",
-        "",
-        "Spec-Bench's definition: mean tokens/s of the method over `ar`'s on the same questions.",
-        "",
-    ] + _per_group(summary, "speedup")
-    out += [
-        "## Mean accepted tokens",
-        "",
-        "Tokens per target forward (accepted draft tokens + 1), pooled over rounds.",
-        "",
-    ] + _per_group(summary, "mean_accepted_tokens")
-    out += ["## Tokens per second", ""] + _per_group(summary, "tokens_per_second", 1)
+    return out
 
+
+def _per_group_section(summary: dict, title: str, key: str, digits: int = 2, intro: str | None = None) -> list[str]:
+    """A section of one metric per method and Spec-Bench group (speedup, mean accepted tokens, tokens/s)."""
+    out = [f"## {title}", ""]
+    if intro is not None:
+        out += [intro, ""]
+    return out + _per_group(summary, key, digits)
+
+
+def _oracles(summary: dict) -> list[str]:
+    """What `oracle-category` chose per group and how `oracle-round`'s hindsight plan is made."""
+    out: list[str] = []
     choice = summary["oracle_category"]["choice"]
     if choice:
         out += [
@@ -100,7 +137,7 @@ def render(summary: dict, plots: list[str]) -> str:
             "",
         ]
     hind = summary["oracle_round"]["hindsight"].get("overall")
-    if hind and "oracle-round" in methods:
+    if hind and "oracle-round" in summary["methods"]:
         out += [
             "`oracle-round` is the fastest per-round schedule in hindsight: every round a drafter and a draft "
             "length (0: a plain step), chosen by dynamic programming over the true context to minimise the time "
@@ -110,61 +147,72 @@ def render(summary: dict, plots: list[str]) -> str:
             "timed. It may draft as long as the longest draft of any method in this run.",
             "",
         ]
-    shares = summary["shares"]
-    if shares:
-        header = [
-            "method",
-            "speedup",
-            "of oracle-category",
-            "of oracle-round",
-            "mean acc. tokens",
-            "of oracle-round MAT",
-            "regret / round",
-            "extra rounds vs oracle",
-        ]
-        rows = []
-        for method, row in shares.items():
-            o = methods[method]["overall"]
-            oc = row.get("oracle-category", {}).get("overall", {})
-            orr = row.get("oracle-round", {}).get("overall", {})
-            rows.append(
-                [
-                    f"`{label(method)}`",
-                    _fmt(o["speedup"]),
-                    _fmt(oc.get("speedup"), 1, True),
-                    _fmt(orr.get("speedup"), 1, True),
-                    _fmt(o["mean_accepted_tokens"]),
-                    _fmt(orr.get("mean_accepted_tokens"), 1, True),
-                    _fmt(o.get("regret_per_round")),
-                    _fmt(o.get("extra_rounds_vs_oracle")),
-                ]
-            )
-        out += [
-            "## Share of the oracles each policy reaches (overall)",
-            "",
-            "Regret per round: the best drafter's accepted length at that round's position minus the chosen "
-            "drafter's (tokens). Extra rounds: target forwards beyond the oracle's hindsight walk.",
-            "",
-        ]
-        out += _table(header, rows)
-        groups = summary["groups"]
-        for oracle in ("oracle-category", "oracle-round"):
-            policy_rows = [
-                [
-                    f"`{label(m)}`",
-                    *(_fmt(r[oracle][g]["speedup"], 1, True) for g in groups),
-                    _fmt(r[oracle]["overall"]["speedup"], 1, True),
-                ]
-                for m, r in shares.items()
-                if is_policy(m) and oracle in r
-            ]
-            if policy_rows:
-                out += [f"Share of `{oracle}`'s speedup per group:", ""]
-                out += _table(["policy", *groups, "overall"], policy_rows)
+    return out
 
-    drafters = c["drafters"]
+
+def _oracle_shares(summary: dict) -> list[str]:
+    """How much of each oracle's speedup and accepted length each method reaches, overall and (policies) per group."""
+    shares = summary["shares"]
+    if not shares:
+        return []
+    methods = summary["methods"]
+    header = [
+        "method",
+        "speedup",
+        "of oracle-category",
+        "of oracle-round",
+        "mean acc. tokens",
+        "of oracle-round MAT",
+        "regret / round",
+        "extra rounds vs oracle",
+    ]
+    rows = []
+    for method, row in shares.items():
+        o = methods[method]["overall"]
+        oc = row.get("oracle-category", {}).get("overall", {})
+        orr = row.get("oracle-round", {}).get("overall", {})
+        rows.append(
+            [
+                f"`{label(method)}`",
+                _fmt(o["speedup"]),
+                _fmt(oc.get("speedup"), 1, True),
+                _fmt(orr.get("speedup"), 1, True),
+                _fmt(o["mean_accepted_tokens"]),
+                _fmt(orr.get("mean_accepted_tokens"), 1, True),
+                _fmt(o.get("regret_per_round")),
+                _fmt(o.get("extra_rounds_vs_oracle")),
+            ]
+        )
+    out = [
+        "## Share of the oracles each policy reaches (overall)",
+        "",
+        "Regret per round: the best drafter's accepted length at that round's position minus the chosen "
+        "drafter's (tokens). Extra rounds: target forwards beyond the oracle's hindsight walk.",
+        "",
+    ]
+    out += _table(header, rows)
+    groups = summary["groups"]
+    for oracle in ("oracle-category", "oracle-round"):
+        policy_rows = [
+            [
+                f"`{label(m)}`",
+                *(_fmt(r[oracle][g]["speedup"], 1, True) for g in groups),
+                _fmt(r[oracle]["overall"]["speedup"], 1, True),
+            ]
+            for m, r in shares.items()
+            if is_policy(m) and oracle in r
+        ]
+        if policy_rows:
+            out += [f"Share of `{oracle}`'s speedup per group:", ""]
+            out += _table(["policy", *groups, "overall"], policy_rows)
+    return out
+
+
+def _engine(summary: dict) -> list[str]:
+    """The engine's rounds per method: drafter shares, switches, catch-up, where the time went, table agreement."""
+    drafters = summary["config"]["drafters"]
     engine_rows = []
-    for m, e in methods.items():
+    for m, e in summary["methods"].items():
         o = e["overall"]
         if o["switches"] is None or m == "oracle-category":
             continue
@@ -183,7 +231,7 @@ def render(summary: dict, plots: list[str]) -> str:
                 _fmt(o.get("oracle_table_disagreements")),
             ]
         )
-    out += [
+    out = [
         "## Engine bookkeeping (overall)",
         "",
         "Drafter columns: share of drafting rounds given to each drafter. Draft / verify / policy: share of wall "
@@ -206,37 +254,36 @@ def render(summary: dict, plots: list[str]) -> str:
         ],
         engine_rows,
     )
+    return out
 
+
+def _rewards(summary: dict) -> list[str]:
+    """The BD and BE reward statistics of each drafter's fixed run (the paper's Table 2)."""
     rewards = summary["reward_stats"]
-    if rewards:
-        rows = [
-            [
-                f"`{label(d)}`",
-                _fmt(s["bd"]["n"]),
-                _fmt(s["bd"]["mean"], 3),
-                _fmt(s["bd"]["var"], 4),
-                _fmt(s["bd"]["zero_rate"], 1, True),
-                _fmt(s["be"]["mean"], 3),
-                _fmt(s["be"]["var"], 4),
-                _fmt(s["be"]["zero_rate"], 1, True),
-            ]
-            for d, s in rewards.items()
+    if not rewards:
+        return []
+    rows = [
+        [
+            f"`{label(d)}`",
+            _fmt(s["bd"]["n"]),
+            _fmt(s["bd"]["mean"], 3),
+            _fmt(s["bd"]["var"], 4),
+            _fmt(s["bd"]["zero_rate"], 1, True),
+            _fmt(s["be"]["mean"], 3),
+            _fmt(s["be"]["var"], 4),
+            _fmt(s["be"]["zero_rate"], 1, True),
         ]
-        out += [
-            "## Reward statistics per drafter (the paper's Table 2)",
-            "",
-            "From each drafter's fixed run: BD (block divergence, the mean of 1 − TV over the k drafted positions) "
-            "and BE (block efficiency, accepted / k) of the same rounds. Zero: reward ≤ 1e-6.",
-            "",
-        ]
-        out += _table(["drafter", "rounds", "BD mean", "BD var", "BD zero", "BE mean", "BE var", "BE zero"], rows)
-
-    out += _costs_and_lengths(summary)
-    if summary.get("drift"):
-        out += _drift(summary)
-    if plots:
-        out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
-    return "\n".join(line for line in out) + "\n"
+        for d, s in rewards.items()
+    ]
+    out = [
+        "## Reward statistics per drafter (the paper's Table 2)",
+        "",
+        "From each drafter's fixed run: BD (block divergence, the mean of 1 − TV over the k drafted positions) "
+        "and BE (block efficiency, accepted / k) of the same rounds. Zero: reward ≤ 1e-6.",
+        "",
+    ]
+    out += _table(["drafter", "rounds", "BD mean", "BD var", "BD zero", "BE mean", "BE var", "BE zero"], rows)
+    return out
 
 
 def _drift(summary: dict) -> list[str]:
@@ -299,8 +346,8 @@ def _drift(summary: dict) -> list[str]:
     return out
 
 
-def _costs_and_lengths(summary: dict) -> list[str]:
-    """The T(M) table the run decided with, and the draft lengths each policy chose per drafter."""
+def _target_cost(summary: dict) -> list[str]:
+    """The T(M) table the run decided with: as calibrated, at the end of the run, and the kernel chosen per M."""
     out: list[str] = []
     cost = summary["config"].get("target_cost_ms")
     if cost:
@@ -322,6 +369,12 @@ def _costs_and_lengths(summary: dict) -> list[str]:
         if cost.get("linear_kernels"):
             rows.append(["kernel", *cost["linear_kernels"][: len(cal)]])
         out += _table(["M", *map(str, range(1, len(cal) + 1))], rows)
+    return out
+
+
+def _draft_lengths(summary: dict) -> list[str]:
+    """The draft lengths each policy chose per drafter: rounds, mean k and the distribution."""
+    out: list[str] = []
     lengths = summary.get("draft_lengths") or {}
     rows = []
     for method, per_drafter in lengths.items():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..policy import ArmStats
+from ..policy import ArmStats, Policy
 from ..stats import Round
 from .questions import Question
 
@@ -102,19 +102,14 @@ def measure_question(
     return best
 
 
-def engine_turn(
-    decoder, policy: str, max_new_tokens: int, seed: int | None, bind: Callable[[object], None] | None = None
-) -> TurnRunner:
-    """A turn through metasd's Decoder with one policy (`none` for `ar`, `fixed:<d>`, a bandit).
-
-    `bind` receives the Generation before its first round; the oracle replay uses it to swap in its scripted policy.
-    """
+def engine_turn(decoder, policy: str | Callable[[], Policy], max_new_tokens: int, seed: int | None) -> TurnRunner:
+    """A turn through metasd's Decoder with one policy (`none` for `ar`, `fixed:<d>`, a bandit), or a policy object
+    made for each turn (the oracle replay's scripted policy)."""
 
     def run(ids: list[int], turn: int) -> TurnRecord:
         start = time.perf_counter()
-        generation = decoder.stream(ids, max_new_tokens=max_new_tokens, temperature=0.0, seed=seed, policy=policy)
-        if bind is not None:
-            bind(generation)
+        chosen = policy if isinstance(policy, str) else policy()
+        generation = decoder.stream(ids, max_new_tokens=max_new_tokens, temperature=0.0, seed=seed, policy=chosen)
         for _ in generation:
             pass
         wall = time.perf_counter() - start
@@ -222,30 +217,22 @@ def hf_turn(
 
 
 class ScriptedPolicy(ArmStats):
-    """Replays a hindsight plan: at each round, the (drafter, k) `script(position)` names for the current position.
-
-    It plugs into a Generation like any bandit; `bind` gives it the Generation so it can read how many tokens are
-    out. The choice costs a list lookup, so the replay times the drafting and verification the oracle's choices
-    cause, not the hindsight search.
+    """Replays a hindsight plan: at each round, the (drafter, k) `script(position)` names for the current position
+    (the request's `max_new_tokens` less the tokens it may still generate), drafting up to the plan's longest draft.
+    The choice costs a list lookup, so the replay times the drafting and verification the oracle's choices cause,
+    not the hindsight search.
     """
 
-    def __init__(self, n_arms: int, script: Callable[[int], tuple[int | None, int]], max_draft: int):
+    def __init__(
+        self, n_arms: int, script: Callable[[int], tuple[int | None, int]], max_draft: int, max_new_tokens: int
+    ):
         self.script = script
-        self.generation = None
         self.max_draft = max_draft
+        self.max_new_tokens = max_new_tokens
         super().__init__(n_arms)
 
-    def bind(self, generation) -> None:
-        if not all(hasattr(generation, a) for a in ("policy", "token_ids", "max_draft")):
-            raise RuntimeError(
-                "the engine's Generation no longer exposes policy/token_ids/max_draft: update ScriptedPolicy"
-            )
-        generation.policy = self
-        generation.max_draft = self.max_draft  # the plan drafts up to the oracle's longest draft, not --draft-len
-        self.generation = generation
-
-    def choose(self, k: int, proposals, lags, **_) -> tuple[int | None, int]:
-        arm, planned = self.script(len(self.generation.token_ids))
+    def choose(self, k: int, proposals, lags, *, remaining: int | None = None, **_) -> tuple[int | None, int]:
+        arm, planned = self.script(self.max_new_tokens - remaining)
         return (arm, min(planned, k)) if arm is not None and planned > 0 else (None, 0)
 
 
@@ -257,8 +244,8 @@ def oracle_turn(
 
     def run(ids: list[int], turn: int) -> TurnRecord:
         plan = plans[turn]
-        policy = ScriptedPolicy(len(names), lambda pos: plan[pos] if pos < len(plan) else (None, 0), max_draft)
-        # any drafter policy validates the request; the scripted one replaces it before the first round
-        return engine_turn(decoder, f"fixed:{names[0]}", max_new_tokens, seed, bind=policy.bind)(ids, turn)
+        script = lambda pos: plan[pos] if pos < len(plan) else (None, 0)  # noqa: E731
+        scripted = lambda: ScriptedPolicy(len(names), script, max_draft, max_new_tokens)  # noqa: E731
+        return engine_turn(decoder, scripted, max_new_tokens, seed)(ids, turn)
 
     return run

@@ -30,6 +30,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "Spec-Bench questions (greedy), check every output against ar, and write summary.json, "
         "report.md, answers/<method>.jsonl and PNG plots into --out.",
     )
+    add_question_args(p)
+    add_pool_args(p, drafters_default=None)
+    add_model_args(p, dtype_default=None, preset_note="; a preset's model, qwen-coder: bfloat16")
+    p.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the randomised policies (default: %(default)s)")
+    add_device_args(p)
+    add_policy_scope_arg(p, "it keeps learning across questions")
+    add_preset_args(p)
+    add_measurement_args(p)
+    add_cluster_args(p)
+    p.set_defaults(handler=run, bench_parser=p)
+    return p
+
+
+def add_question_args(p: argparse.ArgumentParser) -> None:
+    """`--questions`, `--categories`, `--per-category`, `--max-new-tokens`, `--methods`: what is asked and measured."""
     p.add_argument(
         "--questions",
         default=None,
@@ -53,12 +69,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "ucb-be, exp3, sequential-halving, random, round-robin, oracle-round, oracle-category "
         "(default: all that apply; ar is always run)",
     )
-    add_pool_args(p, drafters_default=None)
-    add_model_args(p, dtype_default=None, preset_note="; a preset's model, qwen-coder: bfloat16")
-    p.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the randomised policies (default: %(default)s)")
-    add_device_args(p)
-    add_policy_scope_arg(p, "it keeps learning across questions")
+
+
+def add_preset_args(p: argparse.ArgumentParser) -> None:
+    """`--quick`, `--preset`, `--drift`, `--models-dir`: ready-made settings and where their models live."""
     p.add_argument(
         "--quick",
         action="store_true",
@@ -90,6 +104,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="where the qwen-coder pair lives (default: $METASD_MODELS or ~/.cache/metasd-models), or "
         "the specialists folder (default: $METASD_SPECIALISTS or ./specialists)",
     )
+
+
+def add_measurement_args(p: argparse.ArgumentParser) -> None:
+    """`--repeat`, `--no-warmup`, `--no-plots`, `--no-progress`: how runs are timed and what is written besides."""
     p.add_argument(
         "--repeat",
         type=int,
@@ -100,9 +118,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up call of each method")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_cluster_args(p)
-    p.set_defaults(handler=run, bench_parser=p)
-    return p
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
+from ..draft import Draft
 from ..models.int8_weights import WEIGHTS, split_weights
 from ..models.loading import LoadedModel, adopt_model, load_model, same_tokenizer
-from .base import Draft, Drafter
+from .base import Drafter
 from .datastore import DatastoreDrafter, load_datastore
 from .eagle import build_eagle, shipped_head
 from .early_exit import EarlyExitDrafter
@@ -33,6 +36,7 @@ __all__ = [
     "default_pool",
     "model_drafter",
     "parse_drafters",
+    "pool_entry",
 ]
 
 
@@ -90,6 +94,20 @@ def model_drafter(model: object, tokenizer: object, target: LoadedModel) -> Draf
     drafter = adopt_model(model, tokenizer, role="drafter")
     _check_vocabulary(drafter.spec, drafter, target)
     return ModelDrafter(model, name=f"lm:{drafter.spec}", vocab_size=target.vocab_size, weights="unquantized")
+
+
+def pool_entry(item: str | Drafter | tuple, target: LoadedModel, dtype: str) -> Drafter:
+    """A drafter for one entry of a decoder's pool: a spec, a drafter object, or a (model, tokenizer) pair (an `lm:`
+    drafter as it is)."""
+    if isinstance(item, str):
+        return build_drafter(item, target, dtype)
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], torch.nn.Module):
+        return model_drafter(item[0], item[1], target)
+    if isinstance(item, torch.nn.Module):
+        raise ValueError("a model object in the drafter pool goes with its tokenizer: (model, tokenizer)")
+    if isinstance(item, Drafter):
+        return item
+    raise ValueError(f"a drafter is a spec, a Drafter object or a (model, tokenizer) pair, got {item!r}")
 
 
 def _check_vocabulary(name: str, drafter: LoadedModel, target: LoadedModel) -> None:

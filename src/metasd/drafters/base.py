@@ -3,66 +3,13 @@
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..draft import Draft
 from ..sampling import SamplingParams, pick
-
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    q: torch.Tensor | None = None  # [len(tokens), V] probabilities the tokens were drawn from; None = one-hot
-    # Per token, the drafter's own signal in [0, 1] of how sure it is (n-gram match length, the suffix index's
-    # continuation share, a model's probability of its token); None when it has none (NaN: none for that token).
-    # Policies learn what each level of a drafter's signal is worth in accepted tokens (metasd.policy.acceptance), so
-    # the scale need not be calibrated.
-    confidence: list[float] | None = None
-    # Forwards a model drafter ran for this draft (0 for free drafters): as many as its tokens, one more when it
-    # stopped before drawing a token, whose q it computed and paid for. Its cache then holds forwards - 1 of them.
-    forwards: int = 0
-    # A model drafter's second choice at each of its tokens: (the likeliest token of q_j other than the one drawn,
-    # its probability). A draft tree can verify it as a sibling (EAGLE-2's top-k expansion at one more token),
-    # tried after the drawn token is rejected, so sampling stays exact (`metasd.verify`).
-    runners_up: list[tuple[int, float]] | None = None
-
-    def truncated(self, k: int) -> Draft:
-        """The first k tokens. Lossless for one-hot drafts (q None): their tokens are deterministic, so cutting
-        after looking at them biases nothing; a sampled draft may only be cut by a rule that sees earlier tokens."""
-        if k >= len(self.tokens):
-            return self
-        return Draft(
-            self.tokens[:k],
-            None if self.q is None else self.q[:k],
-            None if self.confidence is None else self.confidence[:k],
-            self.forwards,
-            None if self.runners_up is None else self.runners_up[:k],
-        )
-
-    def followed_by(self, tail: Draft) -> Draft:
-        """This draft, then `tail`: a one-hot draft proposed for the context extended by this one's tokens.
-
-        Sampled verification stays exact: each tail token is a deterministic function of the context and the
-        tokens before it, so its q is one-hot, and rows of the one-hot draft are written out only where this
-        draft carries q rows. A side without confidence gets NaN (no signal) for its tokens."""
-        if tail.q is not None:
-            raise ValueError("only a one-hot draft (q None) can follow another: its tokens must be deterministic")
-        q = self.q
-        if q is not None and tail.tokens:
-            one_hot = torch.zeros(len(tail.tokens), q.shape[-1], dtype=q.dtype)
-            one_hot[torch.arange(len(tail.tokens)), torch.tensor(tail.tokens)] = 1.0
-            q = torch.cat([q, one_hot])
-        confidence = None
-        if self.confidence is not None or tail.confidence is not None:
-            confidence = [
-                *(self.confidence or [math.nan] * len(self.tokens)),
-                *(tail.confidence or [math.nan] * len(tail.tokens)),
-            ]
-        return Draft(self.tokens + tail.tokens, q, confidence, self.forwards, self.runners_up)
 
 
 class StopRule(Protocol):
@@ -90,14 +37,29 @@ class StoppableDrafter(Protocol):
     ) -> Draft: ...
 
 
-@runtime_checkable
-class Drafter(Protocol):
+class Drafter:
+    """Base class of every drafter: `propose` up to k tokens for the current context (with the q they were drawn
+    from, or none: then they are deterministic, one-hot). Everything else has a default here, and a drafter
+    declares what it can do by overriding it:
+
+    - `runs_model`: a model drafter (a forward per drafted token and a KV cache of its own, which must take in the
+      tokens of rounds it sat out: the engine counts that lag); False: a free drafter (a lookup costing
+      microseconds, whose proposals are deterministic and may be cut to any length or appended to a model's draft).
+    - `reads_target_features` / `feature_layers`: it drafts from the target's features (EAGLE heads); the target's
+      cache keeps them, with the outputs of `feature_layers` (EAGLE-3's fused features), and hands them over
+      through `read_features_from`.
+    - `learns_across_requests`: `end` teaches it something the next request drafts from (the suffix drafter
+      indexes outputs); the benchmark snapshots exactly these drafters so that every method meets the same history
+      (bench/history.py): the others may hold unpicklable shared state, such as a datastore's memory maps.
+    - `fork`: its copy for one request among several in flight (a batch).
+    - `use_history`: which cross-request history the next requests read and extend (a key per client, or None).
+    """
+
     name: str
-    has_cache: bool  # True when sitting out rounds leaves state to catch up on (counted by the engine)
-    # An optional attribute, not part of the protocol (default False): `learns_across_requests = True` when `end`
-    # teaches the drafter something the next request drafts from (the suffix drafter indexes outputs). The
-    # benchmark snapshots exactly these drafters so that every method meets the same history (bench/history.py);
-    # the others may hold unpicklable shared state, such as a datastore's memory maps.
+    runs_model: bool = False
+    reads_target_features: bool = False
+    feature_layers: tuple[int, ...] = ()
+    learns_across_requests: bool = False
 
     def begin(self, prompt: list[int]) -> None:
         """A new request starts from this prompt."""
@@ -110,14 +72,20 @@ class Drafter(Protocol):
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         """Up to k tokens to follow context (fewer or none is allowed), drawn under params."""
+        raise NotImplementedError
 
+    def fork(self) -> Drafter:
+        """The drafter for one request among several in flight (a batch): its own per-request state (`begin` makes
+        it), the weights and what it learns across requests shared. A drafter with more per-request state than
+        `begin` rebuilds (a model drafter's KV cache) overrides this shallow copy."""
+        return copy.copy(self)
 
-def for_request(drafter: Drafter) -> Drafter:
-    """The drafter for one request among several in flight (a batch): its own per-request state (`begin` makes it),
-    the weights and what it learns across requests shared. A drafter with more per-request state than `begin`
-    rebuilds (a model drafter's KV cache) defines `fork()`; the others are copied shallowly."""
-    fork = getattr(drafter, "fork", None)
-    return fork() if fork is not None else copy.copy(drafter)
+    def read_features_from(self, target) -> None:
+        """Where the target's features come from (a `CachedModel` or a batch's row): drafters that read them."""
+        raise TypeError(f"drafter {self.name!r} does not read the target's features")
+
+    def use_history(self, key: str | None) -> None:
+        """Which history the next requests read and extend; a drafter that keeps none has nothing to choose."""
 
 
 def draft_autoregressively(
@@ -152,14 +120,11 @@ def draft_autoregressively(
     return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence, forwards, runners_up)
 
 
-class AutoregressiveDrafter:
+class AutoregressiveDrafter(Drafter):
     """A model drafter: one forward per drafted token, each token drawn from the q its `next_q` computes; the
     engine's policy may stop it early (`StoppableDrafter`). Subclasses set `name` and implement `begin`, `next_q`."""
 
-    has_cache = True
-
-    def end(self, context: list[int]) -> None:
-        pass
+    runs_model = True
 
     def next_q(self, context: list[int], params: SamplingParams) -> Callable[[list[int]], torch.Tensor] | None:
         """For a draft after `context`: a function from the sequence so far to the next token's q (one forward per

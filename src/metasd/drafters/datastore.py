@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..draft import Draft
 from ..sampling import SamplingParams
-from .base import Draft
+from .base import Drafter
 
 FORMAT = "metasd-datastore"
 VERSION = 1
@@ -265,10 +266,8 @@ def load_datastore(path: str | Path) -> Datastore:
         return _stores[key]
 
 
-class DatastoreDrafter:
+class DatastoreDrafter(Drafter):
     """Drafts the corpus's most frequent continuation of the context's longest match; no cache, no model."""
-
-    has_cache = False
 
     def __init__(self, store: Datastore, name: str | None = None, min_match: int = 1, max_matches: int = 256):
         if min_match < 1 or max_matches < 1:

@@ -27,7 +27,7 @@ class ModelDrafter(AutoregressiveDrafter):
         self.lm.reset()
 
     def fork(self) -> ModelDrafter:
-        """The same weights with a KV cache of its own (`for_request`)."""
+        """The same weights with a KV cache of its own (a batch gives each request one)."""
         twin = copy.copy(self)
         twin.lm = CachedModel(self.lm.model, vocab_size=self.lm.vocab_size)
         return twin

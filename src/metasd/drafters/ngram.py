@@ -8,13 +8,12 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from ..draft import Draft
 from ..sampling import SamplingParams
-from .base import Draft
+from .base import Drafter
 
 
-class NgramDrafter:
-    has_cache = False
-
+class NgramDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min <= max, got min={min_ngram} max={max_ngram}")

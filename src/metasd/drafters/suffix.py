@@ -21,8 +21,9 @@ from collections import Counter, OrderedDict, defaultdict, deque
 import torch
 
 from ..cached_model import common_prefix
+from ..draft import Draft
 from ..sampling import SamplingParams
-from .base import Draft
+from .base import Drafter
 
 SHARED = ""  # the key of the default, process-wide history
 
@@ -82,8 +83,7 @@ class _History:
         return len(old)
 
 
-class SuffixDrafter:
-    has_cache = False  # indexing the missed tokens costs microseconds, not a forward pass
+class SuffixDrafter(Drafter):
     learns_across_requests = True  # `end` indexes the output into the history
 
     def __init__(

@@ -17,6 +17,7 @@ character changes within a request.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,6 +45,29 @@ def signal_levels(confidence: Sequence[float] | None, m: int) -> np.ndarray:
 def positions(m: int) -> np.ndarray:
     """[m] the position cell of each token of an m-token draft."""
     return _CELL_OF[np.minimum(np.arange(m), CELL_STARTS[-1])]
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The tables of one acceptance model, each a row per drafter: `main` (a drafter's own drafts), `continuation`
+    (a free drafter's proposal continuing a model's draft: judged only where the model's tokens were accepted,
+    easier text than a round's start) and `runner_up` (a model drafter's second choice where its token was
+    rejected)."""
+
+    n_arms: int
+
+    @property
+    def rows(self) -> int:
+        return 3 * self.n_arms
+
+    def main(self, arm: int) -> int:
+        return arm
+
+    def continuation(self, arm: int) -> int:
+        return self.n_arms + arm
+
+    def runner_up(self, arm: int) -> int:
+        return 2 * self.n_arms + arm
 
 
 class AcceptanceModel:

@@ -20,25 +20,28 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..costs import CostModel
-from ..drafters.base import Draft, StopRule
+from ..draft import Draft
+from ..drafters.base import StopRule
 from ..outcome import RoundOutcome
 from ..tree import DraftTree
-from .acceptance import AcceptanceModel, expected_tokens
+from .acceptance import AcceptanceModel, Tables, expected_tokens
+from .base import Learned
 from .hindsight import Hindsight
+from .stop_rule import DraftStop, net_gains
 
 
 @dataclass(frozen=True)
 class Option:
-    """A drafter's plan for one round: for k = 0 .. m drafted tokens, the expected tokens the round yields (`gain`,
-    with the optimism bonus: what choices use; `honest_gain` without it: what bars use) and the seconds of drafting
-    them (`draft`, `honest_draft`: a fresh drafter's prompt intake is charged by the share of the output it is
-    expected to yield)."""
+    """A drafter's plan for one round: for k = 0 .. m drafted tokens, the tokens the round is expected to yield
+    (`gain`, with the optimism bonus: what choices use; `expected_gain` without it: what the bar uses) and the
+    seconds of drafting them (`draft`, `expected_draft`; a fresh drafter's prompt intake is charged by the share
+    of the output it is expected to yield)."""
 
     arm: int
     gain: np.ndarray
     draft: np.ndarray
-    honest_gain: np.ndarray
-    honest_draft: np.ndarray
+    expected_gain: np.ndarray
+    expected_draft: np.ndarray
 
 
 DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1, "extend": 0, "tree": 0}
@@ -99,50 +102,24 @@ def canonical(params: dict[str, float]) -> str:
     return "metasd-adaptive:" + ",".join(f"{k}={params[k]:g}" for k in DEFAULTS)
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(Learned):
     """Choose (drafter, k) by expected tokens per second, from an acceptance model and the machine's cost model.
 
-    - Free drafters propose every round, up to the longest draft, before the choice: their proposals cost
-      microseconds, and their per-token signals (match length, continuation share) feed the acceptance model, so
-      each proposal is cut at the length its signals justify. Their tokens are deterministic, so cutting after seeing
-      them keeps sampling exact, and each proposal is judged against the output whether it drafted or not
-      (`Hindsight`): they need no exploration.
-    - Model drafters are planned from position means before drafting, with an optimism bonus that shrinks as
-      evidence accumulates (the bandit layer: a drafter is tried while it might be best). The plan reaches only one
-      position past those already tried (`AcceptanceModel.explored_length`): optimism buys an unknown drafter a
-      1-token try, then 2, ..., never a long draft priced at a guessed rate, which would cost several target steps
-      and mostly be rejected. The plan only decides *whether* a model drafter drafts: one that takes a stop rule is
-      sent out for the explored length and `_DraftStop` ends its draft token by token, before token j when q_j says
-      it is not worth verifying, after it when the tokens still to come are worth less than their drafter forwards
-      and verification. Position means alone cannot see that a particular draft is going well, so they would keep
-      a good drafter's drafts short; the stop rule is a threshold policy (SpecDec++, and Hugging Face's assistant
-      confidence threshold) whose threshold comes from the measured costs instead of being fixed.
-    - A model drafter's first draft of a request prefills its prompt, which can cost several target steps: that
-      investment is charged in proportion to the share of the request's remaining tokens its rounds are expected to
-      yield (`_usage`), so a long prompt with a short answer, or a drafter rarely used once started, rules it out.
-    - `extend=1`: a free drafter may continue a model drafter's draft (`extension`): the model's tokens lead the copy
-      to a context it could not reach alone, and where T(M) is nearly flat the extra tokens cost little to verify.
-      But they are verified at longer M and add proposals every round, so it is off by default (chosen by
-      measurement: see docs/decisions.md).
-    - `tree=1`: the other free drafters' proposals, and a model draft's runners-up, join the chosen draft as
-      branches of one token tree verified in the same forward (`branches`; SpecInfer, arXiv 2305.09781; EAGLE-2's
-      top-k siblings), each cut where its expected accepted tokens stop
-      paying for the extra verification at the round's bar: where T(M) is flat a round can take a path no single
-      drafter offered, where it is steep the tree stays a chain. `tree=2` adds every proposal whole (no sizing),
-      the "verify everything" baseline.
-
-    Parameters: `beta` scales the optimism bonus; `spread=1` starts each request from the pool's history weighted
-    per drafter by how little its acceptance varied between earlier requests (empirical Bayes,
-    `AcceptanceModel.prior_strength`), because a fixed history weight fails both ways: a strong one keeps a request
-    on the last request's drafter although Spec-Bench-like tasks differ widely in acceptance, a weak one explores a
-    drafter that is poor on every request afresh each time; `spread=0` uses `prior` instead, a cap on the
-    observations per cell carried from earlier requests (0: each request starts afresh, as in the paper); `gamma`
-    < 1 forgets within a request; `max_draft` (the name's `max`) is the longest draft considered.
+    Free drafters propose every round and are judged in hindsight (no exploration); model drafters are planned from
+    position means with an optimism bonus, reach one position past those tried (`explored_length`), and are ended
+    token by token by `DraftStop`; a model drafter's prompt intake is charged by the share of the output it is
+    expected to yield (`_usage`). `extend=1` lets a free drafter continue a model's draft (`extension`); `tree=1`
+    verifies other proposals and runners-up as branches of one tree (`branches`), `tree=2` every proposal whole.
+    Parameters: `beta` (optimism bonus), `spread` (history weighted per drafter by its spread across requests) or
+    `prior` (a cap on history), `gamma` (forgetting within a request), `max` (longest draft). Why each piece is as
+    it is: docs/decisions.md ("metasd-adaptive, piece by piece").
     """
 
     reward = "rate"  # reported reward: the round's tokens per second relative to a plain target step
     full_information = True
     wants_proposals = True
+    uses_costs = True
+    carries_over = True  # reset() starts a request from what earlier ones learned
 
     def __init__(
         self,
@@ -163,10 +140,8 @@ class AdaptivePolicy:
         self.extends = bool(extend)
         self.trees = int(tree)
         self.grows_trees = self.trees > 0
-        # arms n_arms + a: drafter a as the continuation of a model's draft (`extension`), learned apart: its
-        # proposals there are judged only where the model's tokens were accepted, easier text than a round's start
-        # and arms 2 * n_arms + a: model drafter a's runners-up (`_runners_up`), tried where its token was rejected
-        self.acceptance = AcceptanceModel(3 * n_arms, prior_weight=prior, gamma=gamma, spread=bool(spread))
+        self.tables = Tables(n_arms)  # rows of the acceptance model: own drafts, continuations, runners-up
+        self.acceptance = AcceptanceModel(self.tables.rows, prior_weight=prior, gamma=gamma, spread=bool(spread))
         self.costs: CostModel | None = None
         self.regime = "greedy"
         self.names: list[str] = []
@@ -176,7 +151,7 @@ class AdaptivePolicy:
         self.pulls = [0] * n_arms
         self.mean_rewards = [0.0] * n_arms
         self.rounds = 0
-        self._bar = 0.0
+        self.bar = 0.0
         # per model drafter, across requests: the share of a request's output, from its first draft on, that came
         # from its rounds (what its prompt prefill is amortised over), as a mean shrunk toward 1 (`_usage`)
         self.usage_sum = [0.0] * n_arms
@@ -213,7 +188,7 @@ class AdaptivePolicy:
 
     # --- choosing --------------------------------------------------------------------------------------------------
 
-    def _bonus(self, arm: int) -> float:
+    def bonus(self, arm: int) -> float:
         return self.beta * math.sqrt(2.0 * math.log(self.rounds + 2) / (1.0 + self.acceptance.evidence(arm)))
 
     def choose(
@@ -225,9 +200,9 @@ class AdaptivePolicy:
         remaining: int | None = None,
         fresh: Sequence[bool] | None = None,
     ) -> tuple[int | None, int]:
-        costs = self._costs()
+        costs = self.cost_model()
         if costs.target.plain_step_due():  # keep T(1) measured: every other estimate is scaled by it
-            self._bar = 0.0
+            self.bar = 0.0
             return None, 0
         overhead = costs.overhead[self.regime].value or 0.0
         t = np.array([costs.target(m) for m in range(1, k_max + 2)]) + overhead  # t[k]: time to verify k drafted
@@ -237,10 +212,10 @@ class AdaptivePolicy:
             m = len(option.gain) - 1
             rate = option.gain / (t[: m + 1] + option.draft)
             k = int(np.argmax(rate[1:])) + 1
-            bar = max(bar, float((option.honest_gain / (t[: m + 1] + option.honest_draft))[1:].max()))
+            bar = max(bar, float((option.expected_gain / (t[: m + 1] + option.expected_draft))[1:].max()))
             if rate[k] > best[0]:  # a drafter that stops itself gets the explored length and ends where it pays
                 best = (float(rate[k]), option.arm, m if self.stoppable[option.arm] else k)
-        self._bar = bar
+        self.bar = bar
         return best[1], best[2]
 
     def options(
@@ -255,7 +230,7 @@ class AdaptivePolicy:
     ) -> list[Option]:
         """Every drafter that can draft this round, with its expected tokens and drafting time for each length.
         step: the seconds of a plain step, what unmeasured drafters are guessed from (default: T(1))."""
-        step = self._costs().target(1) if step is None else step
+        step = self.cost_model().target(1) if step is None else step
         out = []
         for arm in range(self.n_arms):
             if self.free[arm]:
@@ -283,24 +258,24 @@ class AdaptivePolicy:
         for arm in range(self.n_arms):
             rates = self.acceptance.best_rates(arm, k_max)
             if not self.free[arm]:
-                rates = np.minimum(np.maximum(rates, self.acceptance.plan_rates(arm, k_max)) + self._bonus(arm), 1.0)
+                rates = np.minimum(np.maximum(rates, self.acceptance.plan_rates(arm, k_max)) + self.bonus(arm), 1.0)
             best = np.maximum(best, rates)
         return expected_tokens(best)
 
-    def use_bar(self, rate: float) -> None:
+    def set_bar(self, rate: float) -> None:
         """The rate, in tokens per second, that later choices this round (continuations, branches) must beat: set
         by a batch, whose rounds are shared (`metasd.batching`); `choose` sets its own."""
-        self._bar = rate
+        self.bar = rate
 
     def _model_option(self, arm: int, m: int, step: float, lag: int, fresh: bool, remaining: int | None) -> Option:
         """Model drafter `arm` drafting k = 0..m tokens: expected tokens with the optimism bonus (what the choice
         uses) and without (what the stop rule's bar uses), and the drafting time of each."""
-        price = self._costs().drafter(self.names[arm])
+        price = self.cost_model().drafter(self.names[arm])
         catch_up = price.catch_up_time(lag, step)
         steps = np.arange(m + 1) * price.step_time(step)
         means = self.acceptance.plan_rates(arm, m)
         out = []
-        for bonus in (self._bonus(arm), 0.0):
+        for bonus in (self.bonus(arm), 0.0):
             gain = expected_tokens(np.minimum(means + bonus, 1.0))
             charge = catch_up
             if fresh:
@@ -310,19 +285,23 @@ class AdaptivePolicy:
                 # long prompt with a short answer, or a drafter that is started and then rarely drafts, rules it out.
                 charge = catch_up * np.minimum(1.0, gain / (remaining * self._usage(arm)))
             out.append((gain, steps + charge))
-        (gain, draft), (honest_gain, honest_draft) = out
-        return Option(arm, gain, draft, honest_gain, honest_draft)
+        (gain, draft), (expected_gain, expected_draft) = out
+        return Option(arm, gain, draft, expected_gain, expected_draft)
 
     def stop_rule(self, arm: int, k: int) -> StopRule | None:
         """For a model drafter: the rule that ends its draft once more tokens are worth less than their time."""
-        return None if self.free[arm] else _DraftStop(self, arm, k)
+        return (
+            None
+            if self.free[arm]
+            else DraftStop(self.acceptance, arm, k, self.bar, self.bonus(arm), self.cost_model(), self.names[arm])
+        )
 
     def extension(self, arm: int, draft: Draft, proposals: Mapping[int, Draft]) -> tuple[int, int] | None:
         """Continue a model drafter's draft with the free proposal for the context it leads to, as far as the
-        tokens' expected gain beats their extra verification at the round's bar (`_DraftStop`). A continuation
+        tokens' expected gain beats their extra verification at the round's bar (`DraftStop`). A continuation
         token counts only if every model token before it is accepted: its gain is scaled by that chance, the
         model tokens' acceptance at their own signals, optimism left out (the continuation is no exploration)."""
-        costs = self._costs()
+        costs = self.cost_model()
         n = len(draft.tokens)
         reach = float(np.prod(self.acceptance.rates(arm, draft.confidence, n)))
         best, choice = 0.0, None
@@ -331,7 +310,9 @@ class AdaptivePolicy:
             if m == 0:
                 continue
             extra = np.array([costs.target(n + 1 + e) for e in range(1, m + 1)]) - costs.target(n + 1)
-            net = _net_gains(reach, self.acceptance.rates(self.n_arms + free, tail.confidence, m), extra, self._bar)
+            net = net_gains(
+                reach, self.acceptance.rates(self.tables.continuation(free), tail.confidence, m), extra, self.bar
+            )
             e = int(np.argmax(net))
             if net[e] > best:
                 best, choice = float(net[e]), (free, e + 1)
@@ -343,7 +324,7 @@ class AdaptivePolicy:
         token j, a sibling of token j). Greedy by net gain: a new node is worth the chance that its path is
         accepted, its parent's reach times its own acceptance (from the drafter's rate at its signal and depth,
         capped by what the parent's other children leave), against the extra verification T(M + e) - T(M) at the
-        round's bar (`_net_gains`). `tree=2` adds every free proposal whole instead, runners-up left out."""
+        round's bar (`net_gains`). `tree=2` adds every free proposal whole instead, runners-up left out."""
         main = tree.branches[0]
         offers = [(a, d, self._rates(a, d)) for a, d in proposals.items() if d.tokens and a != main.arm]
         if self.trees == 2:
@@ -355,7 +336,7 @@ class AdaptivePolicy:
                     tree.add(*out[-1])
             return out
         offers += self._runners_up(main.arm, main.draft)
-        costs = self._costs()
+        costs = self.cost_model()
         reach: list[float] = []  # per node: the chance that its path is accepted
         taken: dict[int, float] = {}  # per node (-1: the root): the acceptance its children already claim
         self._claim(tree, main.draft.tokens, self._rates(main.arm, main.draft), reach, taken)
@@ -366,7 +347,7 @@ class AdaptivePolicy:
                 start, own, shared = _new_nodes(tree, draft.tokens, rates, reach, taken, max_nodes - size)
                 if len(own):
                     verify = np.array([costs.target(size + 1 + e) for e in range(len(own) + 1)])
-                    net = _net_gains(start, own, verify[1:] - verify[0], self._bar)
+                    net = net_gains(start, own, verify[1:] - verify[0], self.bar)
                     e = int(np.argmax(net))
                     if net[e] > best[0]:
                         best = (float(net[e]), i, shared + e + 1)
@@ -392,7 +373,7 @@ class AdaptivePolicy:
         rates, out = self._rates(arm, draft), []
         for j, (token, prob) in enumerate(draft.runners_up[: len(draft.tokens)]):
             if prob > 0:
-                own = (1.0 - rates[j]) * self.acceptance.rate_at(2 * self.n_arms + arm, prob, j)
+                own = (1.0 - rates[j]) * self.acceptance.rate_at(self.tables.runner_up(arm), prob, j)
                 out.append((arm, Draft([*draft.tokens[:j], token]), np.append(rates[:j], own)))
         return out
 
@@ -421,13 +402,15 @@ class AdaptivePolicy:
             j, runners_up, at = outcome.accepted, outcome.draft.runners_up or [], outcome.start + outcome.accepted
             if j < min(own, len(runners_up)) and at < len(outcome.context):
                 token, prob = runners_up[j]
-                self.acceptance.learn_at(2 * self.n_arms + arm, prob, j, outcome.context[at] == token)
+                self.acceptance.learn_at(self.tables.runner_up(arm), prob, j, outcome.context[at] == token)
         for a, draft in outcome.proposals.items():
             self.hindsight.add(a, outcome.start, draft.tokens, draft.confidence)
         tail = outcome.extension  # appended or not, a continuation that followed the true context is evidence
         if tail is not None and outcome.accepted >= tail.start:
             for a, draft in tail.proposals.items():
-                self.hindsight.add(self.n_arms + a, outcome.start + tail.start, draft.tokens, draft.confidence)
+                self.hindsight.add(
+                    self.tables.continuation(a), outcome.start + tail.start, draft.tokens, draft.confidence
+                )
         self._resolve(outcome.context, final=False)
         spent = outcome.draft_time + outcome.verify_time
         score = (outcome.gained + 1) * outcome.plain_step_time / spent if spent > 0 else 0.0
@@ -467,7 +450,7 @@ class AdaptivePolicy:
         for d in self.hindsight.resolve(context, final):
             self.acceptance.learn(d.pending.arm, d.pending.info, d.matched, d.decided)
 
-    def _costs(self) -> CostModel:
+    def cost_model(self) -> CostModel:
         if self.costs is None:
             raise RuntimeError("metasd-adaptive needs the engine's cost model: call attach() first")
         return self.costs
@@ -494,51 +477,3 @@ def _fitting(tree: DraftTree, tokens: list[int], room: int) -> int:
     while n and tree.new_nodes(tokens[:n]) > room:
         n -= 1
     return n
-
-
-def _net_gains(reach: float, rates: np.ndarray, times: np.ndarray, bar: float) -> np.ndarray:
-    """[n] what sending 1..n more tokens earns: their expected accepted tokens (each counts only if every token
-    before it, `reach` for those already sent, is accepted) minus what their extra time would earn at `bar`."""
-    return reach * np.cumsum(np.cumprod(rates)) - bar * times
-
-
-class _DraftStop:
-    """A model drafter's draft, token by token: go on while the tokens still to come are worth their time at the
-    bar: the best rate any option offered this round on present evidence, optimism left out (what the time could
-    earn in the next round). The plan's own rate would be the wrong bar: it includes the bonus that got an unknown
-    drafter picked, and the drafter would be held to it.
-
-    Token j is worth its acceptance chance given everything before it was accepted (from q_j's confidence once
-    known, the position mean before); the time of going on is the drafter forwards not yet paid for plus the
-    extra verification. Both are optimistic like the plan, or a drafter planned on its bonus would be stopped
-    before it could be learned from.
-    """
-
-    def __init__(self, policy: AdaptivePolicy, arm: int, k: int):
-        costs = policy._costs()
-        self.acceptance, self.arm, self.rate = policy.acceptance, arm, policy._bar
-        self.bonus = policy._bonus(arm)
-        self.later = np.minimum(self.acceptance.plan_rates(arm, k) + self.bonus, 1.0)
-        self.step = costs.drafter(policy.names[arm]).step_time(costs.target(1))
-        self.verify = np.array([costs.target(m) for m in range(1, k + 2)])  # [n]: verifying n drafted tokens
-        self.reach = 1.0  # probability that every token drafted so far is accepted
-
-    def _worth_going_on(self, sent: int, rates: np.ndarray, first_paid: bool) -> bool:
-        """Is sending some of the next len(rates) tokens (after `sent`) worth more than its time?"""
-        if len(rates) == 0:
-            return False
-        more = np.arange(1, len(rates) + 1)
-        forwards = more - 1 if first_paid else more
-        times = self.verify[sent + more] - self.verify[sent] + self.step * forwards
-        return bool(np.max(_net_gains(self.reach, rates, times, self.rate)) > 0)
-
-    def before(self, j: int, q) -> bool:
-        a_j = min(self.acceptance.rate_at(self.arm, float(q.max()), j) + self.bonus, 1.0)
-        # token 0: the plan paid for its forward, and sending it is also how the drafter is learned
-        stop = j > 0 and not self._worth_going_on(j, np.concatenate([[a_j], self.later[j + 1 :]]), True)
-        if not stop:
-            self.reach *= a_j
-        return stop
-
-    def after(self, j: int, q, token: int) -> bool:
-        return not self._worth_going_on(j + 1, self.later[j + 1 :], False)

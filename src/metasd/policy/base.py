@@ -7,10 +7,15 @@ policy sees only the arm it picked and the reward in [0, 1] the engine computed 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, Self
 
-from ..drafters.base import Draft, StopRule
+import numpy as np
+
+from ..costs import CostModel
+from ..draft import Draft
+from ..drafters.base import StopRule
 from ..outcome import RoundOutcome
 from ..tree import DraftTree
 from .hindsight import Hindsight
@@ -30,6 +35,8 @@ class Policy(Protocol):
     extends: bool  # the engine offers a model drafter's draft for continuation by a free drafter (`extension`)
     grows_trees: bool  # the engine asks which free proposals to verify beside the chosen draft (`branches`)
     max_draft: int | None  # longest draft it may choose; None: the decoder's draft_len
+    uses_costs: bool  # plans from the machine's cost model (`attach`), within the T(M) range calibrated for it
+    carries_over: bool  # kept from request to request whatever the decoder's policy scope (reset() starts a request)
     pulls: list[int]
     mean_rewards: list[float]
 
@@ -58,6 +65,57 @@ class Policy(Protocol):
     def feedback(self, outcome: RoundOutcome) -> float | None: ...
     def finish(self, context: list[int]) -> None: ...  # the request ended with this context
     def reset(self) -> None: ...
+    def attach(
+        self, costs: CostModel, names: Sequence[str], free: Sequence[bool], stoppable: Sequence[bool], regime: str
+    ) -> None:
+        """The engine hands over the machine's cost model and what each drafter is (policies with `uses_costs`)."""
+
+    def options(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int], **seen) -> list | None:
+        """For a batch's decision: every (drafter, length) it would consider with its expected tokens and drafting
+        time (`adaptive.Option`), or None: it fixes its own choice (`choose`), as the paper's bandits do."""
+
+    def ceiling(self, k: int) -> np.ndarray | None:
+        """Expected tokens of the best draft of 0..k tokens any drafter could offer now (None: no bound known)."""
+
+    def set_bar(self, rate: float) -> None:
+        """The rate a batch's round reached: what the round's later choices must beat."""
+
+    def snapshot(self) -> dict: ...  # `Learned`
+    def restore(self, snapshot: dict) -> None: ...
+    def for_request(self) -> Policy: ...
+    def copy_start(self) -> dict | None: ...
+    def take_back(self, copy: Policy, start: dict | None) -> None: ...
+
+
+class Learned:
+    """What a policy has learned, as a value: `snapshot` it, `restore` it later or into a copy (`for_request`).
+    Attributes named in `shared` (the machine's cost model) are the decoder's, live, and never part of it."""
+
+    shared: tuple[str, ...] = ("costs",)
+
+    def snapshot(self) -> dict:
+        """A deep copy of everything the policy learned."""
+        return copy.deepcopy({k: v for k, v in vars(self).items() if k not in self.shared})
+
+    def restore(self, snapshot: dict) -> None:
+        """Back to what `snapshot` holds (a copy of it: the snapshot can be restored again)."""
+        vars(self).update(copy.deepcopy(snapshot))
+
+    def for_request(self) -> Self:
+        """A policy of its own for one request among several in flight, starting from what this one has learned,
+        sharing its cost model."""
+        twin = copy.copy(self)
+        twin.restore(self.snapshot())
+        return twin
+
+    def copy_start(self) -> dict | None:
+        """What `take_back` needs of this policy when a copy of it starts (default: nothing)."""
+        return None
+
+    def take_back(self, copy: Self, start: dict | None) -> None:
+        """A request's copy (`for_request`) ended: what it learned becomes this policy's, for the requests after
+        it (default: its state replaces this one's)."""
+        self.restore(copy.snapshot())
 
 
 def state_delta(a: dict, b: dict | None) -> dict:
@@ -71,7 +129,7 @@ def state_delta(a: dict, b: dict | None) -> dict:
     }
 
 
-class ArmStats:
+class ArmStats(Learned):
     """Per-arm counts and running means shared by the classic bandits; reset() forgets them.
 
     It also adapts them to the engine's interface: choose() is select() at the full draft length, feedback()
@@ -83,6 +141,8 @@ class ArmStats:
     extends = False  # the paper's bandits score whole drafts of the drafter they picked
     grows_trees = False  # and verify that drafter's draft alone
     max_draft: int | None = None
+    uses_costs = False  # the reward prices a round, no plan does
+    carries_over = False
 
     def __init__(self, n_arms: int, reward: str = "bd") -> None:
         if n_arms < 1:
@@ -109,6 +169,27 @@ class ArmStats:
             "sums": [m * n for m, n in zip(self.mean_rewards, self.pulls, strict=True)],
             "rounds": self.rounds,
         }
+
+    def attach(
+        self, costs: CostModel, names: Sequence[str], free: Sequence[bool], stoppable: Sequence[bool], regime: str
+    ) -> None:
+        pass
+
+    def options(self, k: int, proposals: Mapping[int, Draft], lags: Sequence[int], **seen) -> None:
+        return None  # a bandit fixes its own choice
+
+    def ceiling(self, k: int) -> None:
+        return None
+
+    def set_bar(self, rate: float) -> None:
+        pass
+
+    def copy_start(self) -> dict:
+        return self.state()
+
+    def take_back(self, copy: ArmStats, start: dict | None) -> None:
+        """Add the statistics the copy gathered to those other copies added meanwhile."""
+        self.merge(state_delta(copy.state(), start))
 
     def merge(self, delta: dict) -> None:
         """Add statistics learned elsewhere (a `state()`, or the difference of two) to this policy's."""

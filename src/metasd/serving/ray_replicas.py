@@ -164,7 +164,7 @@ class PolicySync:
             self.last = time.monotonic()
 
     def sync(self) -> None:
-        live = {key: p for key, p in self.decoder._policies.items() if _shareable(p)}
+        live = {key: p for key, p in self.decoder.policies.items() if _shareable(p)}
         for key in [key for key, t in self.tracked.items() if live.get(key) is not t.policy]:
             del self.tracked[key]  # evicted from the decoder's cache: what it pushed stays pooled
         for key, policy in live.items():

@@ -17,6 +17,7 @@ argmax, which this loss trains directly. Two resumable stages, both under `--out
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -277,6 +278,131 @@ def _lr(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def _split(rows: list[dict], holdout: float, seed: int, max_len: int) -> tuple[list, list]:
+    """(held out, trained on) examples: the answers in a seeded order, the first `holdout` of them held out."""
+    shuffled = rows[:]
+    random.Random(seed).shuffle(shuffled)
+    n_held = int(round(len(rows) * holdout)) if len(rows) > 1 else 0
+    held, train = _examples(shuffled[:n_held], max_len), _examples(shuffled[n_held:], max_len)
+    if not train:
+        raise ValueError("distill: no training answers (every answer was empty?)")
+    return held, train
+
+
+@dataclasses.dataclass
+class _Training:
+    """The drafter in training and its optimiser, with the checkpoint that carries them (`DIR/checkpoint.pt`): the
+    trainable weights, the optimiser's state, the step, and `meta` (acceptance before training, the latest loss and
+    the training time of every run so far)."""
+
+    drafter: torch.nn.Module
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    path: Path
+    layers: int
+    step: int = 0
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def start(cls, target_model: torch.nn.Module, layers: int, lr: float, seed: int, path: Path) -> _Training:
+        """A drafter cut from the target, resumed from `path` when a checkpoint is there."""
+        torch.manual_seed(seed)
+        drafter = make_drafter(target_model, layers)
+        params = trainable_parameters(drafter)
+        optimizer = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
+        training = cls(drafter, params, optimizer, path, layers)
+        if path.exists():
+            training.resume()
+        return training
+
+    def resume(self) -> None:
+        """The state the checkpoint holds; refused when it is of another number of layers."""
+        ckpt = torch.load(self.path, map_location="cpu", weights_only=False)
+        if ckpt.get("layers") != self.layers:
+            raise ValueError(
+                f"{self.path} is a {ckpt.get('layers')}-layer run; use --layers {ckpt.get('layers')} or --restart"
+            )
+        self.drafter.load_state_dict(ckpt["trainable"], strict=False)
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.step, self.meta = int(ckpt["step"]), ckpt.get("meta", {})
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        torch.save(
+            {
+                "step": self.step,
+                "layers": self.layers,
+                "trainable": {n: p.detach() for n, p in self.params.items()},
+                "optimizer": self.optimizer.state_dict(),
+                "meta": self.meta,
+            },
+            tmp,
+        )
+        os.replace(tmp, self.path)
+
+    def run(
+        self, examples, batch_tokens: int, steps: int, lr: float, seed: int, pad: int, save_every: int, progress
+    ) -> None:
+        """Train up to step `steps`, one length batch a step (a seeded order per epoch), the learning rate warming
+        up then following a cosine; a checkpoint every `save_every` steps and at the last."""
+        from tqdm import tqdm
+
+        batches = length_batches([len(t) for t, _ in examples], batch_tokens)
+        started, trained_before = time.perf_counter(), self.meta.get("train_seconds", 0.0)
+        losses: list[float] = []
+        self.drafter.train()
+        with tqdm(
+            total=steps, initial=min(self.step, steps), unit="step", desc="training", disable=not progress
+        ) as bar:
+            while self.step < steps:
+                epoch, within = divmod(self.step, len(batches))
+                order = list(range(len(batches)))
+                random.Random(seed * 1_000_003 + epoch).shuffle(order)  # a function of the step: resumes identically
+                batch = _tensors(examples, batches[order[within]], pad)
+                rate = _lr(self.step, steps, lr, warmup=max(1, min(20, steps // 10)))
+                losses.append(self._step(*batch, rate))
+                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
+                bar.update(1)
+                if self.step % save_every == 0 or self.step == steps:
+                    # the loss and training time travel with the checkpoint, so that a rerun that only evaluates
+                    # (--eval-on on a finished run) still reports them
+                    self.meta["final_loss"] = round(sum(losses[-20:]) / len(losses[-20:]), 4)
+                    self.meta["train_seconds"] = round(trained_before + time.perf_counter() - started, 1)
+                    self.save()
+
+    def _step(self, inputs, mask, labels, lr: float) -> float:
+        """One optimiser step on a batch at learning rate `lr`; its loss."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        logits, target_ids = _answer_logits(self.drafter, inputs, mask, labels)
+        loss = torch.nn.functional.cross_entropy(logits, target_ids)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params.values(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        return float(loss.detach())
+
+
+def _acceptance_elsewhere(drafter, other: str, seed: int, answers: int, max_len: int, k: int, pad: int) -> dict:
+    """Acceptance on another domain's cached target answers (`--eval-on`): how a specialist does off its domain."""
+    path = Path(other) / "distill-data" / "outputs.jsonl"
+    if not path.is_file():
+        raise ValueError(f"--eval-on {other}: no {path} (run distill there first)")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    random.Random(seed).shuffle(rows)
+    return acceptance(drafter, _examples(rows[:answers], max_len), k, pad)
+
+
+def _save_drafter(drafter: torch.nn.Module, tokenizer, out: Path) -> None:
+    """The drafter, frozen, and the tokenizer as a `save_pretrained` directory (`lm:DIR` loads it)."""
+    drafter.eval()
+    for p in drafter.parameters():
+        p.requires_grad_(False)
+    drafter.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def distill(
     target_spec: str | None,
     prompts_path: str,
@@ -298,15 +424,14 @@ def distill(
     eval_on: tuple[str, ...] = (),
     eval_answers: int = 100,
 ) -> dict:
-    from tqdm import tqdm
-
+    """Both stages for the prompts at `prompts_path`, into `out`; the report, also written to out/distill.json."""
     from ..models.loading import load_model
 
     out = Path(out)
     if steps < 0 or batch_tokens < 16 or lr <= 0 or max_new_tokens < 1 or not 0 <= holdout < 1:
         raise ValueError("distill: need steps >= 0, batch tokens >= 16, lr > 0, max new tokens >= 1, 0 <= holdout < 1")
     prompts = read_prompts(prompts_path)
-    target = load_model(target_spec, device="cpu")  # the training loop below is written for the CPU
+    target = load_model(target_spec, device="cpu")  # the training loop is written for the CPU
     started = time.perf_counter()
     ckpt_path = out / "checkpoint.pt"
     if restart and ckpt_path.exists():
@@ -315,98 +440,26 @@ def distill(
         target, prompts, out / "distill-data" / "outputs.jsonl", max_new_tokens, max_prompt_tokens, gen_batch, progress
     )
     generate_s = time.perf_counter() - started
-    rng = random.Random(seed)
-    shuffled = rows[:]
-    rng.shuffle(shuffled)
-    n_held = int(round(len(rows) * holdout)) if len(rows) > 1 else 0
-    held, train = _examples(shuffled[:n_held], max_len), _examples(shuffled[n_held:], max_len)
-    if not train:
-        raise ValueError("distill: no training answers (every answer was empty?)")
+    held, train = _split(rows, holdout, seed, max_len)
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-
-    torch.manual_seed(seed)
-    drafter = make_drafter(target.model, layers)
-    params = trainable_parameters(drafter)
-    optimizer = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
-    step, meta = 0, {}
-    if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        if ckpt.get("layers") != layers:
-            raise ValueError(
-                f"{ckpt_path} is a {ckpt.get('layers')}-layer run; use --layers {ckpt.get('layers')} or --restart"
-            )
-        drafter.load_state_dict(ckpt["trainable"], strict=False)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        step, meta = int(ckpt["step"]), ckpt.get("meta", {})
+    training = _Training.start(target.model, layers, lr, seed, ckpt_path)
+    drafter, meta = training.drafter, training.meta
     if "before" not in meta and held:
         meta["before"] = acceptance(drafter, held, draft_len, pad)
-    batches = length_batches([len(t) for t, _ in train], batch_tokens)
     train_started = time.perf_counter()
-    trained_before = meta.get("train_seconds", 0.0)
-    losses: list[float] = []
-
-    def save_checkpoint() -> None:
-        # the loss and training time travel with the checkpoint, so that a rerun that only evaluates (--eval-on on
-        # a finished run) still reports them
-        meta["final_loss"] = round(sum(losses[-20:]) / len(losses[-20:]), 4)
-        meta["train_seconds"] = round(trained_before + time.perf_counter() - train_started, 1)
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "step": step,
-                "layers": layers,
-                "trainable": {n: p.detach() for n, p in params.items()},
-                "optimizer": optimizer.state_dict(),
-                "meta": meta,
-            },
-            tmp,
-        )
-        os.replace(tmp, ckpt_path)
-
     out.mkdir(parents=True, exist_ok=True)
-    drafter.train()
-    with tqdm(total=steps, initial=min(step, steps), unit="step", desc="training", disable=not progress) as bar:
-        while step < steps:
-            epoch, within = divmod(step, len(batches))
-            order = list(range(len(batches)))
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)  # a function of the step: resumes identically
-            inputs, mask, labels = _tensors(train, batches[order[within]], pad)
-            for group in optimizer.param_groups:
-                group["lr"] = _lr(step, steps, lr, warmup=max(1, min(20, steps // 10)))
-            logits, target_ids = _answer_logits(drafter, inputs, mask, labels)
-            loss = torch.nn.functional.cross_entropy(logits, target_ids)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-            optimizer.step()
-            step += 1
-            losses.append(float(loss.detach()))
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
-            bar.update(1)
-            if step % save_every == 0 or step == steps:
-                save_checkpoint()
+    training.run(train, batch_tokens, steps, lr, seed, pad, save_every, progress)
     train_s = time.perf_counter() - train_started
     if held:
         meta["after"] = acceptance(drafter, held, draft_len, pad)
-    cross = {}
-    for other in eval_on:  # another domain's cached target answers: how this specialist does off its domain
-        path = Path(other) / "distill-data" / "outputs.jsonl"
-        if not path.is_file():
-            raise ValueError(f"--eval-on {other}: no {path} (run distill there first)")
-        rows_other = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        random.Random(seed).shuffle(rows_other)
-        cross[str(other)] = acceptance(drafter, _examples(rows_other[:eval_answers], max_len), draft_len, pad)
-    drafter.eval()
-    for p in drafter.parameters():
-        p.requires_grad_(False)
-    drafter.save_pretrained(out)
-    tok.save_pretrained(out)
+    cross = {str(o): _acceptance_elsewhere(drafter, o, seed, eval_answers, max_len, draft_len, pad) for o in eval_on}
+    _save_drafter(drafter, tok, out)
     report = {
         "target": target_spec or "embedded",
         "prompts": str(prompts_path),
         "layers": layers,
-        "steps": step,
+        "steps": training.step,
         "batch_tokens": batch_tokens,
         "lr": lr,
         "max_new_tokens": max_new_tokens,

@@ -226,27 +226,12 @@ def suffix_array(tokens: np.ndarray, depth: int, progress=None) -> np.ndarray:
     return order[keep].astype(SA_DTYPE)
 
 
-def build_index(
-    corpora: list[str],
-    out: str | Path,
-    tokenizer,
-    target: str = "embedded",
-    depth: int = 16,
-    include: tuple[str, ...] = DEFAULT_INCLUDE,
-    exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
-    max_tokens: int | None = None,
-    progress: bool = True,
-) -> dict:
-    """Tokenize the corpora, sort the suffixes, write out/{tokens.npy, sa.npy, header.json}; return the header."""
+def _tokenize(files: list[Path], tokenizer, max_tokens: int | None, progress: bool) -> tuple[np.ndarray, dict, int]:
+    """The files' documents tokenized in batches into one array, each followed by the separator; with the
+    documents and tokens per source (a file, or its directory when there are more than 20 files) and the number of
+    documents. Stops after the batch that reaches `max_tokens`."""
     from tqdm import tqdm
 
-    if depth < 1:
-        raise ValueError(f"--depth must be >= 1, got {depth}")
-    started = time.perf_counter()
-    files = corpus_files(corpora, tuple(include), tuple(exclude))
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
     chunks: list[np.ndarray] = []
     sources: dict[str, dict] = {}
     total = docs = 0
@@ -286,18 +271,12 @@ def build_index(
     bar.close()
     if not chunks:
         raise ValueError("the corpora hold no text to index")
-    tokens = np.concatenate(chunks)
-    chunks.clear()
-    if tokens.size >= 2**31 - 1:
-        raise ValueError(f"{tokens.size} tokens: more than an int32 suffix array can address; index fewer")
-    tokenize_s = time.perf_counter() - started
-    rounds = max(0, (depth - 1).bit_length())
-    with tqdm(total=rounds, desc="sorting suffixes", unit="round", disable=not progress) as sort_bar:
-        sa = suffix_array(tokens, depth, sort_bar)
-    out.mkdir(parents=True, exist_ok=True)
-    np.save(out / "tokens.npy", tokens.astype(TOKENS_DTYPE))
-    np.save(out / "sa.npy", sa)
-    header = {
+    return np.concatenate(chunks), sources, docs
+
+
+def _header(tokenizer, target: str, depth: int, tokens: np.ndarray, sa: np.ndarray, docs: int, sources: dict) -> dict:
+    """header.json without its build times: the format, the sizes, the tokenizer and the sources."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "depth": depth,
@@ -311,8 +290,42 @@ def build_index(
             "target": target,
         },
         "sources": [{"path": path, **counts} for path, counts in sources.items()],
-        "build_seconds": {"tokenize": round(tokenize_s, 2), "total": round(time.perf_counter() - started, 2)},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def build_index(
+    corpora: list[str],
+    out: str | Path,
+    tokenizer,
+    target: str = "embedded",
+    depth: int = 16,
+    include: tuple[str, ...] = DEFAULT_INCLUDE,
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
+    max_tokens: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Tokenize the corpora, sort the suffixes, write out/{tokens.npy, sa.npy, header.json}; return the header."""
+    from tqdm import tqdm
+
+    if depth < 1:
+        raise ValueError(f"--depth must be >= 1, got {depth}")
+    started = time.perf_counter()
+    files = corpus_files(corpora, tuple(include), tuple(exclude))
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    tokens, sources, docs = _tokenize(files, tokenizer, max_tokens, progress)
+    if tokens.size >= 2**31 - 1:
+        raise ValueError(f"{tokens.size} tokens: more than an int32 suffix array can address; index fewer")
+    tokenize_s = time.perf_counter() - started
+    rounds = max(0, (depth - 1).bit_length())
+    with tqdm(total=rounds, desc="sorting suffixes", unit="round", disable=not progress) as sort_bar:
+        sa = suffix_array(tokens, depth, sort_bar)
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "tokens.npy", tokens.astype(TOKENS_DTYPE))
+    np.save(out / "sa.npy", sa)
+    header = _header(tokenizer, target, depth, tokens, sa, docs, sources)
+    header["build_seconds"] = {"tokenize": round(tokenize_s, 2), "total": round(time.perf_counter() - started, 2)}
+    header["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (out / "header.json").write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
     return header
