@@ -105,7 +105,7 @@ class Learned:
         """A policy of its own for one request among several in flight, starting from what this one has learned,
         sharing its cost model."""
         twin = copy.copy(self)
-        twin.restore(self.snapshot())
+        vars(twin).update(self.snapshot())  # a deep copy already: restore() would copy it again
         return twin
 
     def copy_start(self) -> dict | None:
@@ -114,8 +114,8 @@ class Learned:
 
     def take_back(self, copy: Self, start: dict | None) -> None:
         """A request's copy (`for_request`) ended: what it learned becomes this policy's, for the requests after
-        it (default: its state replaces this one's)."""
-        self.restore(copy.snapshot())
+        it (default: its state replaces this one's; the copy is done with, so its objects are taken, not copied)."""
+        vars(self).update({k: v for k, v in vars(copy).items() if k not in self.shared})
 
 
 def state_delta(a: dict, b: dict | None) -> dict:
