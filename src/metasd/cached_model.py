@@ -90,19 +90,15 @@ def feature_tap(model: torch.nn.Module, layers: Sequence[int] = ()) -> Iterator[
 
 
 class TargetCache(Protocol):
-    """What verifies a request's rounds: the target's KV cache for one request, which mirrors a token list (it keeps
-    the cached prefix a new context shares and feeds the rest: no caller crops). `CachedModel` for a request
-    decoding alone, a batch's row (`batching.slots.Row`) for one of many."""
+    """A request's handle in the target's KV cache, which mirrors a token list (it keeps the cached prefix a new
+    context shares and feeds the rest: no caller crops): `CachedModel` for a request decoding alone (its own
+    `round.Verifier`), a batch's row (`batching.slots.Row`, verified by `BatchedTarget`) for one of many."""
 
     fed_tokens: int  # tokens fed to the model so far (a prefill shows as more than a round's tree)
     keep_features: bool
     feature_layers: tuple[int, ...]
 
     def reset(self) -> None: ...
-
-    def logits_for_tree(self, context: list[int], tree: DraftTree) -> torch.Tensor:
-        """Logits [1 + tree.size, V]: row 0 after the context, 1 + i after node i of the tree."""
-        ...
 
     def features_for(self, tokens: list[int]) -> torch.Tensor:
         """The target's features [n, D] for the longest prefix of `tokens` computed."""
@@ -165,6 +161,15 @@ class CachedModel:
         self.tokens = list(tokens)
         self.fed_tokens += len(new)
         return self._logits(out)
+
+    def forward(
+        self, items: list[tuple[CachedModel, list[int], DraftTree]], prefill: None = None
+    ) -> list[torch.Tensor]:
+        """A batch of one (`round.Verifier`): the logits of `logits_for_tree` for this model's one request."""
+        if len(items) != 1 or items[0][0] is not self or prefill is not None:
+            raise ValueError("a CachedModel verifies its own request alone")
+        _, context, tree = items[0]
+        return [self.logits_for_tree(context, tree)]
 
     @torch.inference_mode()
     def logits_for_tree(self, context: list[int], tree: DraftTree) -> torch.Tensor:

@@ -28,11 +28,12 @@ from .outcome import RoundOutcome
 from .policy import DEFAULT_POLICY, Policy, build_policy, canonical_policy
 from .policy.adaptive import DEFAULTS as ADAPTIVE_DEFAULTS
 from .processors import process, target_processors
-from .round import RoundClock, RoundState
+from .round import OwnChoice, RoundClock, RoundState, run_round
 from .sampling import SamplingParams
 from .stats import GenerationResult, GenerationStats, Round
 from .verify import verify_round
 
+OWN_CHOICE = OwnChoice()
 _POLICY_CACHE = 64  # policies kept per decoder (LRU): clients can name many distinct policies and pools
 
 Prompt = str | list[dict] | list[int]  # text, chat messages, or token ids
@@ -269,9 +270,7 @@ class Generation:
         self.params = params
         self.policy = policy
         self.pool = pool
-        self.target: TargetCache = (
-            decoder.target_cache
-        )  # what verifies: logits_for_tree, fed_tokens, reset (a batch gives a row)
+        self.target: TargetCache = decoder.target_cache  # its handle in the verifier's cache (a batch gives a row)
         self.token_ids: list[int] = []
         self.context = list(prompt)
         self.finish_reason = "length"
@@ -343,16 +342,9 @@ class Generation:
             self.finish()
 
     def step(self) -> list[int]:
-        """One round on its own: choose, draft, verify, learn. Returns the tokens it added to the context."""
-        state = self.start_round()
-        self.choose(state)
-        self.draft(state)
-        state.clock.verifying = time.perf_counter()
-        fed = self.target.fed_tokens
-        logits = self.target.logits_for_tree(self.context, state.tree)
-        state.clock.forwarded = time.perf_counter()
-        prefilled = self.target.fed_tokens - fed > state.tree.size + 1
-        return self.accept(state, logits, prefilled=prefilled, alone=True)
+        """One round on its own (`round.run_round` for a batch of one): choose, draft, verify, learn. Returns the
+        tokens it added to the context."""
+        return run_round([self], self.decoder.target_cache, OWN_CHOICE)[0]
 
     @property
     def room(self) -> int:

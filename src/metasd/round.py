@@ -1,13 +1,19 @@
-"""One round of a request between its phases: its clock, what the policy saw and chose, and the tree verified.
+"""One speculative round, for one request or a batch: `run_round`, and what a request carries between its phases
+(`RoundState`: its clock, what the policy saw and chose, the tree verified).
 
-`Generation.step` runs the phases for one request (`start_round`, `choose`, `draft`, the target's forward,
-`accept`); a batch (`metasd.batching`) runs each phase for every request in flight around one forward.
+A request decoding alone (`Generation.step`) and a batch (`metasd.batching`) run the same round; they differ in
+the verifier (the decoder's cache, or the batch's rows) and in who decides each request's draft (`OwnChoice`, or
+the batch's decision).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
 
 from .draft import Draft
 from .outcome import Extension
@@ -66,3 +72,90 @@ class RoundState:
     draft: Draft = field(default_factory=lambda: Draft([]))
     extension: Extension | None = None
     tree: DraftTree = field(default_factory=DraftTree)
+
+
+class RoundRequest(Protocol):
+    """What a round needs of a request in flight (`engine.Generation`)."""
+
+    context: list[int]
+    target: Any  # its handle in the verifier's cache: the decoder's `CachedModel`, or a batch's row
+    policy: Any  # its `Policy`, or None (plain decoding)
+
+    @property
+    def room(self) -> int: ...
+
+    def start_round(self, propose: bool = True) -> RoundState: ...
+
+    def choose(self, state: RoundState) -> None: ...
+
+    def draft(self, state: RoundState, stop_rules: bool = True) -> None: ...
+
+    def accept(self, state: RoundState, logits: torch.Tensor, prefilled: bool, alone: bool) -> list[int]: ...
+
+
+class Verifier(Protocol):
+    """The target over one request's cache or a batch's rows: logits [1 + tree.size, V] per (handle, context,
+    tree), row 0 after the context and 1 + i after node i, all in one model call."""
+
+    def forward(
+        self, items: list[tuple[Any, list[int], DraftTree]], prefill: tuple[Any, list[int]] | None = None
+    ) -> list[torch.Tensor]:
+        """prefill: a joining request's handle and the prompt tokens it should hold after this forward (a chunk
+        of its prompt sharing the forward; a batch's verifier only)."""
+        ...
+
+
+class RoundDecision(Protocol):
+    """Which drafter and how many tokens each request drafts: its own choice alone (`OwnChoice`), or one decision
+    for a batch (`metasd.batching.decision.BatchDecision`)."""
+
+    def start(self, requests: Sequence[RoundRequest]) -> list[RoundState]: ...
+
+    def choose(self, requests: Sequence[RoundRequest], states: Sequence[RoundState]) -> None: ...
+
+    def observe(self, size: int, width: int, seconds: float) -> None: ...
+
+
+class OwnChoice:
+    """A request's own choice (its policy's, with its stop rule and T(M)): what a request decoding alone uses. Its
+    acceptance measures T(M) from the round's clock, so nothing is observed here."""
+
+    def start(self, requests: Sequence[RoundRequest]) -> list[RoundState]:
+        return [request.start_round() for request in requests]
+
+    def choose(self, requests: Sequence[RoundRequest], states: Sequence[RoundState]) -> None:
+        for request, state in zip(requests, states, strict=True):
+            request.choose(state)
+
+    def observe(self, size: int, width: int, seconds: float) -> None:
+        pass
+
+
+def run_round(
+    requests: Sequence[RoundRequest],
+    verifier: Verifier,
+    decision: RoundDecision,
+    prefill: tuple[Any, list[int]] | None = None,
+) -> list[list[int]]:
+    """One speculative round for one request or many, in EAGLE's phases (Li et al., arXiv 2401.15077): start and
+    decide, draft, one target forward over every request's context and tree, then each request's acceptance rule,
+    emission and learning. prefill: a chunk of a joining prompt that shares the forward (chunked prefill); the
+    forward then measures no cost of its own shape. Returns the tokens each request added."""
+    alone = len(requests) == 1 and prefill is None
+    states = decision.start(requests)  # 1. lags, room and the free drafters' proposals
+    decision.choose(requests, states)  # 2. (drafter, k) per request
+    for request, state in zip(requests, states, strict=True):
+        request.draft(state, stop_rules=len(requests) == 1)  # 3. drafts (in a batch, its decision chose k)
+    fed = [request.target.fed_tokens for request in requests]
+    items = [(request.target, request.context, state.tree) for request, state in zip(requests, states, strict=True)]
+    started = time.perf_counter()
+    logits = verifier.forward(items, prefill=prefill)  # 4. one target forward
+    ended = time.perf_counter()
+    if prefill is None:
+        decision.observe(len(requests), max(state.tree.size for state in states) + 1, ended - started)
+    added = []
+    for request, state, rows, before in zip(requests, states, logits, fed, strict=True):  # 5. accept, emit, learn
+        state.clock.verifying, state.clock.forwarded = started, ended
+        prefilled = request.target.fed_tokens - before > state.tree.size + 1  # the forward took in the prompt too
+        added.append(request.accept(state, rows, prefilled=prefilled, alone=alone))
+    return added

@@ -162,28 +162,61 @@ def test_a_batch_that_cannot_gain_from_drafting_skips_the_proposals(decoder, alo
 
 def test_sampled_output_in_a_batch_follows_the_targets_distribution(pair):
     """The request of interest decodes beside two others (different prompts and lengths, each drafting with its
-    own q), joining at a rotating place: its first two tokens must follow the target's exact distribution."""
+    own q), joining at once at a rotating place, or after they started, its prompt then entering a token a step
+    while they decode (chunked prefill): its first two tokens must follow the target's exact distribution."""
     target, target_dir, draft_dir = pair
     decoder = _decoder(target_dir, draft_dir)
-    batch = Batch(decoder, max_batch=3)
+    batch = Batch(decoder, max_batch=3, prefill_share=0.01)
+    batch.MIN_CHUNK = 1
     options = {"temperature": PARAMS.temperature, "top_k": PARAMS.top_k, "top_p": PARAMS.top_p}
-    counts, batched_rounds = Counter(), 0
+    counts, batched_rounds, chunked = Counter(), 0, 0
     for seed in range(DRAWS):
         mine = decoder.stream(PROMPT, max_new_tokens=3, seed=seed, **options)
         others = [
             decoder.stream([7, 8, 9, 10, 11], max_new_tokens=4, seed=DRAWS + seed, **options),
             decoder.stream([12, 13], max_new_tokens=5, seed=2 * DRAWS + seed, **options),
         ]
-        order = others[: seed % 3] + [mine] + others[seed % 3 :]
+        late = seed % 4 == 3
+        order = others if late else others[: seed % 3] + [mine] + others[seed % 3 :]
         for request in order:
             batch.join(request)
+        if late:
+            batch.step()
+            batch.join(mine)
         while len(batch):
+            chunked += mine in batch.joining and len(batch) > len(batch.joining)
             batched_rounds += len(batch) > 1 and mine in batch.requests
             batch.step()
         counts[tuple(mine.token_ids[:2])] += 1
-    assert batched_rounds >= DRAWS
+    assert batched_rounds >= DRAWS and chunked >= DRAWS // 4
     stat, df = chi2(counts, exact_pairs(target), DRAWS)
     assert stat < chi2_bound(df), (stat, df)
+
+
+def test_a_long_prompt_enters_in_chunks_while_the_others_keep_decoding(decoder, alone):
+    """A prompt of some hundreds of tokens joins two running requests: it enters over several steps, each of
+    which also runs the others' round (none waits a whole prefill), and every output is what it is alone."""
+    long_prompt = "Summarize this text in one sentence. " + " ".join(PROMPTS * 12)
+    reference = decoder.generate(long_prompt, max_new_tokens=12).token_ids
+    batch = Batch(decoder, max_batch=3, prefill_share=0.3)
+    running = [decoder.stream(p, max_new_tokens=40) for p in PROMPTS[:2]]
+    for request in running:
+        batch.join(request)
+    batch.step()
+    joiner = decoder.stream(long_prompt, max_new_tokens=12)
+    batch.join(joiner)
+    chunks = 0
+    while joiner in batch.joining:
+        before = [len(r.token_ids) for r in running]
+        batch.step()
+        chunks += 1
+        assert all(len(r.token_ids) > n or r.done for r, n in zip(running, before, strict=True))
+    assert chunks >= 3 and len(joiner.prompt) > 300
+    while len(batch):
+        batch.step()
+    assert joiner.token_ids == reference
+    for request, prompt in zip(running, PROMPTS[:2], strict=True):
+        assert request.token_ids == alone[prompt]
 
 
 def test_each_requests_verify_time_is_the_forward_and_its_own_acceptance(decoder, monkeypatch):

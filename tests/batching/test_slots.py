@@ -75,11 +75,53 @@ def test_a_leaving_row_moves_the_last_one_into_its_place(model):
     assert batch.add_row().index == 2
 
 
-def test_rows_of_one_forward_must_be_consecutive(model):
-    batch = BatchedTarget(model, rows=3)
+def test_a_row_between_the_named_ones_rides_along_and_keeps_its_cache(model):
+    """Rows 0 and 2 decode while row 1's prompt is half in (a chunked prefill): the forward over rows 0 and 2
+    feeds row 1 nothing, and once its prompt is all in, its logits are still a lone forward's."""
+    batch = BatchedTarget(model, rows=3, capacity=8)
     rows = [batch.add_row() for _ in range(3)]
-    with pytest.raises(ValueError, match="consecutive"):
-        batch.forward([(rows[0], [1, 2], DraftTree()), (rows[2], [3, 4], DraftTree())])
+    contexts = [[1, 2, 3, 4], list(range(10, 40)), [8, 9, 10, 11, 12]]
+    batch.prefill(rows[0], contexts[0])
+    batch.prefill(rows[2], contexts[2])
+    assert not batch.prefill(rows[1], contexts[1], tokens=11)  # a chunk: 11 of its 29 tokens
+    fed = rows[1].fed_tokens
+    trees = [DraftTree.chain(Draft([5, 6])), DraftTree.chain(Draft([7]))]
+    logits = batch.forward([(rows[2], contexts[2], trees[1]), (rows[0], contexts[0], trees[0])])
+    assert rows[1].fed_tokens == fed and len(rows[1].tokens) == 11
+    for got, context, tree in zip(logits, [contexts[2], contexts[0]], [trees[1], trees[0]], strict=True):
+        torch.testing.assert_close(got, _alone(model, context, tree), atol=1e-5, rtol=1e-5)
+    assert batch.prefill(rows[1], contexts[1], tokens=100)
+    (got,) = batch.forward([(rows[1], contexts[1], DraftTree.chain(Draft([3])))])
+    torch.testing.assert_close(got, _alone(model, contexts[1], DraftTree.chain(Draft([3]))), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="twice"):
+        batch.forward([(rows[0], contexts[0], DraftTree()), (rows[0], contexts[0], DraftTree())])
+
+
+@pytest.mark.parametrize("layers", [(), (0,)])
+def test_a_prompt_chunk_packed_beside_the_rows_leaves_every_row_as_alone(model, layers):
+    """A forward verifying two rows (a chain and a tree) carries a chunk of a third row's prompt, packed with no
+    padding (`ragged`): the two rows' logits, and the third's logits and features once its prompt is in, are
+    a lone forward's."""
+    batch = BatchedTarget(model, rows=3, keep_features=True, capacity=8, feature_layers=layers)
+    rows = [batch.add_row() for _ in range(3)]
+    contexts = [[1, 5, 7, 9, 11, 2, 4], list(range(20, 60)), [7, 3]]
+    batch.prefill(rows[0], contexts[0])
+    batch.prefill(rows[2], contexts[2])
+    batch.prefill(rows[1], contexts[1], tokens=5)
+    trees = [DraftTree.chain(Draft([5, 9])), _tree()]
+    for end in (20, 39):  # two chunks: the second ends the prompt but for its last token
+        got = batch.forward(
+            [(rows[2], contexts[2], trees[1]), (rows[0], contexts[0], trees[0])], (rows[1], contexts[1][:end])
+        )
+        assert len(rows[1].tokens) == end
+        for logits, context, tree in zip(got, [contexts[2], contexts[0]], [trees[1], trees[0]], strict=True):
+            torch.testing.assert_close(logits, _alone(model, context, tree), atol=1e-5, rtol=1e-5)
+        contexts[0], contexts[2] = contexts[0] + [5, 30], contexts[2] + [3, 8, 31]  # accepted paths, then next round
+    (got,) = batch.forward([(rows[1], contexts[1], _tree())])
+    torch.testing.assert_close(got, _alone(model, contexts[1], _tree()), atol=1e-5, rtol=1e-5)
+    fresh = CachedModel(model, keep_features=True, feature_layers=layers)
+    fresh.logits_for(contexts[1])
+    torch.testing.assert_close(rows[1].features_for(contexts[1]), fresh.features_for(contexts[1]), atol=1e-5, rtol=1e-5)
 
 
 def test_a_full_batch_and_a_sliding_window_model_are_refused(model):

@@ -3,28 +3,32 @@
 Each request keeps what it has alone (`Generation`: its drafters' state, its policy's state, its sampling generator,
 its statistics); the batch gives it a row of the target's KV slots (`slots.BatchedTarget`), and its own copies of
 the drafters (weights and cross-request history shared) and of the policy (what it learns is written back to the
-decoder's policy when it leaves, for the requests after it). A round runs each request's phases in turn, one target
-forward for all, then each request's acceptance rule: `Batch.step`. Which drafter and how many tokens each request
-drafts is chosen for the whole batch (`decision.decide`) from the measured cost of batch forwards (`costs`).
+decoder's policy when it leaves, for the requests after it). A step runs one round (`round.run_round`, the round a
+request decoding alone runs) over the requests whose prompts are in, with one decision for the whole batch
+(`decision.BatchDecision`, priced by the measured cost of batch forwards, `costs`); a request alone in the batch
+makes its own choice, as `Generation.step` does.
 
-A request alone in the batch decodes as `Generation.step` does (its own choice, stop rules and T(M)), so a batch of
-one is the single-request engine.
+A joining request's prompt enters in chunks (chunked prefill, as Sarathi-Serve, Agrawal et al., OSDI 2024, and
+vLLM do): each step's forward carries a chunk of the first waiting prompt packed beside the decoding rows
+(`ragged`), sized from measured step times so that it takes a share of the step (`prefill_share`) and the requests
+decoding keep their pace while a long prompt joins. A batch where nobody decodes prefills its joiners whole:
+nobody waits for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..cached_model import feature_layers_read_by
-from ..engine import Decoder, Generation
+from ..engine import OWN_CHOICE, Decoder, Generation
 from ..policy import Policy
-from ..round import RoundState
+from ..round import run_round
+from . import DEFAULT_PREFILL_SHARE
 from .costs import BatchCost, load_or_calibrate_batch
-from .decision import Plan, decide
+from .decision import BatchDecision
 from .slots import BatchedTarget, check_batched_logits
 
 
@@ -40,13 +44,23 @@ class BatchStats:
 class Batch:
     """Up to `max_batch` requests of one decoder in flight. `join` a request from `Decoder.stream`, call `step`
     while the batch is not empty; a request that ends leaves by itself, `leave` takes one out early (cancelled,
-    stopped by a stop string). The decoder's `generate` and `stream` must not run while a batch holds requests."""
+    stopped by a stop string). The decoder's `generate` and `stream` must not run while a batch holds requests.
 
-    def __init__(self, decoder: Decoder, max_batch: int = 8):
+    prefill_share: the share of a step's time that joining prompts get while other requests decode, in (0, 1]:
+    a chunk then costs about share / (1 - share) rounds, so each decoding request waits about 1 / (1 - share)
+    rounds between two of its rounds (2 at the default 0.5) and a prompt enters in about 1 / share of its
+    prefill time; 1 prefills a joining prompt whole in one step."""
+
+    MIN_CHUNK = 16  # prompt tokens a step prefills at least while others decode
+
+    def __init__(self, decoder: Decoder, max_batch: int = 8, prefill_share: float = DEFAULT_PREFILL_SHARE):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not 0 < prefill_share <= 1:
+            raise ValueError(f"prefill_share must be in (0, 1], got {prefill_share!r}")
         self.decoder = decoder
         self.max_batch = max_batch
+        self.prefill_share = prefill_share
         check_batched_logits(decoder.target.model)  # a model the slots would decode unlike itself: refused now
         readers = [d for d in decoder.drafters.values() if d.reads_target_features]
         self.target = BatchedTarget(
@@ -61,10 +75,14 @@ class Batch:
             widths = costs.target.max_tokens
             tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, widths)
         self.costs = BatchCost(costs, tables, max_batch)
+        self.decision = BatchDecision(self.costs)
         self.requests: list[Generation] = []
+        self.joining: list[Generation] = []  # requests whose prompts are not all in yet, in the order they joined
         self.failed: list[tuple[Generation, Exception]] = []  # the last step's requests whose leaving raised
         self.stats = BatchStats()
         self.last = (0, 0, 0)  # the last round's batch size, tokens drafted, tokens accepted
+        self._chunk = self.MIN_CHUNK  # prompt tokens the next chunk prefills while others decode (`_timed`)
+        self._round: float | None = None  # seconds of a step with no chunk (moving average; None before one)
         # id(request) -> the decoder's policy its copy came from, and a bandit's statistics when it was copied
         self._policies: dict[int, tuple[Policy, dict | None]] = {}
 
@@ -76,7 +94,8 @@ class Batch:
         return len(self.requests) >= self.max_batch
 
     def join(self, request: Generation) -> None:
-        """Start a request from `Decoder.stream` (not iterated yet) in this batch; its prompt is prefilled now."""
+        """Start a request from `Decoder.stream` (not iterated yet) in this batch; its prompt enters over the
+        next steps (whole at the next step if nobody decodes then)."""
         if self.full:
             raise RuntimeError(f"the batch is full ({self.max_batch} requests)")
         if request.decoder is not self.decoder or request.started:
@@ -92,13 +111,13 @@ class Batch:
             if shared is not None:
                 request.policy = shared.for_request()
             request.begin()
-            self.target.prefill(row, request.context)
         except BaseException:
             self.target.remove_row(row)
             raise
         if shared is not None:
             self._policies[id(request)] = (shared, shared.copy_start())
         self.requests.append(request)
+        self.joining.append(request)
 
     def leave(self, request: Generation) -> None:
         """The request ends now (finished, or abandoned): drafters and policy see its end, its row is freed. What
@@ -111,23 +130,36 @@ class Batch:
         finally:
             self.target.remove_row(request.target)
             self.requests.remove(request)
+            if request in self.joining:
+                self.joining.remove(request)
             shared, start = self._policies.pop(id(request), (None, None))
             if shared is not None:  # what the request learned, for the requests after it
                 shared.take_back(request.policy, start)
 
     def step(self) -> list[tuple[Generation, list[int]]]:
-        """One round for every request in flight: the tokens each one added. Requests that ended have left; one
-        whose leaving raised (a drafter's `end`, the policy's `finish`) is in `failed` with its error, for its caller
-        to fail that request alone."""
-        self.failed = []
-        if not self.requests:
-            return []
-        if len(self.requests) == 1:
-            request = self.requests[0]
-            out = [(request, request.step())]
-            self._count(1, [request])
-        else:
-            out = self._round()
+        """One round for every request whose prompt is in, sharing its forward with a chunk of the first joining
+        prompt: the tokens each request added (a joiner adds none). Requests that ended have left; one whose
+        leaving or prefill raised is in `failed` with its error (and in the list with no tokens), for its caller to
+        fail that request alone."""
+        self.failed, out = [], []
+        if self.joining and len(self.joining) == len(self.requests):  # nobody decodes: nobody waits for them
+            for request in list(self.joining):
+                out += self._prefill(request)
+        decoding = [request for request in self.requests if request not in self.joining]
+        if decoding:
+            joiner = self.joining[0] if self.joining and self.prefill_share < 1 else None
+            chunk = None if joiner is None else (joiner.target, self._chunk_of(joiner))
+            held, started = 0 if joiner is None else len(joiner.target.tokens), time.perf_counter()
+            decision = OWN_CHOICE if len(decoding) == 1 else self.decision
+            out += zip(decoding, run_round(decoding, self.target, decision, prefill=chunk), strict=True)
+            self._count(len(decoding), decoding)
+            if joiner is None or len(chunk[1]) - held == self._chunk:  # not a prompt's last chunk: time it
+                self._timed(time.perf_counter() - started, chunk=joiner is not None)
+            if joiner is not None:
+                if len(chunk[1]) == len(joiner.context) - 1:
+                    self.joining.remove(joiner)
+            elif self.joining:  # prefill_share 1: the prompt enters whole
+                out += self._prefill(self.joining[0])
         for request, _ in out:
             if request.done:
                 try:
@@ -136,45 +168,38 @@ class Batch:
                     self.failed.append((request, err))
         return out
 
-    def _round(self) -> list[tuple[Generation, list[int]]]:
-        requests, size = self.requests, len(self.requests)
-        times = self.costs.widths(size, max(r.room for r in requests) + 1)
-        drafts = self._may_draft(times)
-        states = [request.start_round(propose=drafts) for request in requests]
-        if drafts:
-            decision = decide([_plan(request, state) for request, state in zip(requests, states, strict=True)], times)
-            for request, state, (arm, k) in zip(requests, states, decision.choices, strict=True):
-                state.arm, state.k = arm, min(k, state.room)
-                if request.policy is not None:
-                    request.policy.set_bar(decision.rate)
-        for request, state in zip(requests, states, strict=True):
-            request.draft(state, stop_rules=False)  # the batch chose k; a stop rule prices rounds of one
-        started = time.perf_counter()
-        logits = self.target.forward([(r.target, r.context, t.tree) for r, t in zip(requests, states, strict=True)])
-        ended = time.perf_counter()
-        self.costs.observe(size, max(t.tree.size for t in states) + 1, ended - started)
-        out = []
-        for request, state, rows in zip(requests, states, logits, strict=True):
-            state.clock.verifying, state.clock.forwarded = started, ended
-            out.append((request, request.accept(state, rows, prefilled=False, alone=False)))
-        self._count(size, requests)
-        return out
+    def _chunk_of(self, request: Generation) -> list[int]:
+        """The prompt tokens a joining request's row should hold after this step's forward."""
+        return request.context[: min(len(request.target.tokens) + self._chunk, len(request.context) - 1)]
 
-    def _may_draft(self, times: list[float]) -> bool:
-        """Whether any drafting could pay this round: False when every request drafting k tokens at its policy's
-        ceiling (`Policy.ceiling`: the best acceptance it has seen, drafting free) still yields fewer tokens
-        per second than a plain batch step, for every k. The round then skips every request's proposals and
-        options, work it would pay for nothing. Policies without a ceiling (the bandits) always decide."""
-        ceilings = []
-        for request in self.requests:
-            if request.policy is None or request.room <= 0:
-                ceilings.append(np.ones(len(times)))
-            elif (ceiling := request.policy.ceiling(request.room)) is not None:
-                ceilings.append(np.concatenate([ceiling, np.full(len(times) - len(ceiling), ceiling[-1])]))
-            else:
-                return True
-        rates = np.sum(ceilings, axis=0) / np.asarray(times)
-        return bool(rates[1:].max(initial=0.0) > rates[0])
+    def _timed(self, step_seconds: float, chunk: bool) -> None:
+        """A step's time. Without a chunk it is what a decoding request waits between two rounds (`_round`, a
+        moving average); with one, the next chunk's length follows from it: a chunk should take `prefill_share`
+        of a step, so the step should last `_round / (1 - prefill_share)`. A forward's time grows with its tokens
+        but far from in proportion, so the length is scaled by the chunk time allowed over the time this one
+        took (the step beyond `_round`), at most doubled or halved a step, at least `MIN_CHUNK` tokens (every
+        prompt gets in) and at most `PREFILL_CHUNK`."""
+        if not chunk:
+            self._round = step_seconds if self._round is None else 0.8 * self._round + 0.2 * step_seconds
+            return
+        base = self._round if self._round is not None else self.costs(len(self.requests) - len(self.joining), 1)
+        took = max(step_seconds - base, 1e-3)
+        allowed = base * self.prefill_share / (1 - self.prefill_share)
+        scaled = self._chunk * min(max(allowed / took, 0.5), 2.0)
+        self._chunk = max(self.MIN_CHUNK, min(int(scaled), self.target.PREFILL_CHUNK))
+
+    def _prefill(self, request: Generation) -> list[tuple[Generation, list[int]]]:
+        """Prefill a joining request's whole prompt on its own. A prefill that raises fails this request alone: it
+        leaves, and is returned with no tokens beside its error in `failed`."""
+        try:
+            self.target.prefill(request.target, request.context)
+        except Exception as err:
+            self.failed.append((request, err))
+            with contextlib.suppress(Exception):  # the prefill's error is the one its caller reports
+                self.leave(request)
+            return [(request, [])]
+        self.joining.remove(request)
+        return []
 
     def _count(self, size: int, requests: list[Generation]) -> None:
         rounds = [request.stats.rounds[-1] for request in requests]
@@ -184,15 +209,3 @@ class Batch:
         self.stats.drafted[size] += drafted
         self.stats.accepted[size] += accepted
         self.last = (size, drafted, accepted)
-
-
-def _plan(request: Generation, state: RoundState) -> Plan:
-    policy = request.policy
-    if policy is None or state.room <= 0:
-        return Plan(fixed=(None, 0))
-    options = policy.options(state.room, state.proposals, state.lags, remaining=state.remaining, fresh=state.fresh)
-    if options is not None:
-        return Plan(options)
-    return Plan(
-        fixed=policy.choose(state.room, state.proposals, state.lags, remaining=state.remaining, fresh=state.fresh)
-    )

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..policy.adaptive import Option
+from ..round import RoundRequest, RoundState
+from .costs import BatchCost
 
 _SWEEPS = 8  # coordinate-ascent passes at most; two or three settle it in practice
 
@@ -87,3 +89,60 @@ def decide(plans: Sequence[Plan], round_seconds: Sequence[float]) -> Decision:
     width = min(max(k, default=0) + 1, len(times))
     rate = float(expected_gain.sum() / (times[width - 1] + expected_draft.sum()))
     return Decision(list(zip(arm, k, strict=True)), width, rate)
+
+
+class BatchDecision:
+    """The `round.RoundDecision` of a batch round: `decide` over every request's plan, priced by the batch's
+    measured T(B, W), which every round's forward refines."""
+
+    def __init__(self, costs: BatchCost):
+        self.costs = costs
+        self._times: list[float] = []  # this round's T(B, w), w = 1 .. the widest row
+        self._drafts = False  # whether this round decides at all (`may_draft`), from `start` to `choose`
+
+    def start(self, requests: Sequence[RoundRequest]) -> list[RoundState]:
+        self._times = self.costs.widths(len(requests), max(r.room for r in requests) + 1)
+        self._drafts = self.may_draft(requests, self._times)
+        return [request.start_round(propose=self._drafts) for request in requests]
+
+    def choose(self, requests: Sequence[RoundRequest], states: Sequence[RoundState]) -> None:
+        if not self._drafts:
+            return
+        times = self._times
+        decision = decide([_plan(request, state) for request, state in zip(requests, states, strict=True)], times)
+        for request, state, (arm, k) in zip(requests, states, decision.choices, strict=True):
+            state.arm, state.k = arm, min(k, state.room)
+            if request.policy is not None:
+                request.policy.set_bar(decision.rate)
+
+    def observe(self, size: int, width: int, seconds: float) -> None:
+        self.costs.observe(size, width, seconds)
+
+    @staticmethod
+    def may_draft(requests: Sequence[RoundRequest], times: Sequence[float]) -> bool:
+        """Whether any drafting could pay this round: False when every request drafting k tokens at its policy's
+        ceiling (`Policy.ceiling`: the best acceptance it has seen, drafting free) still yields fewer tokens
+        per second than a plain batch step, for every k. The round then skips every request's proposals and
+        options, work it would pay for nothing. Policies without a ceiling (the bandits) always decide."""
+        ceilings = []
+        for request in requests:
+            if request.policy is None or request.room <= 0:
+                ceilings.append(np.ones(len(times)))
+            elif (ceiling := request.policy.ceiling(request.room)) is not None:
+                ceilings.append(np.concatenate([ceiling, np.full(len(times) - len(ceiling), ceiling[-1])]))
+            else:
+                return True
+        rates = np.sum(ceilings, axis=0) / np.asarray(times)
+        return bool(rates[1:].max(initial=0.0) > rates[0])
+
+
+def _plan(request: RoundRequest, state: RoundState) -> Plan:
+    policy = request.policy
+    if policy is None or state.room <= 0:
+        return Plan(fixed=(None, 0))
+    options = policy.options(state.room, state.proposals, state.lags, remaining=state.remaining, fresh=state.fresh)
+    if options is not None:
+        return Plan(options)
+    return Plan(
+        fixed=policy.choose(state.room, state.proposals, state.lags, remaining=state.remaining, fresh=state.fresh)
+    )

@@ -12,6 +12,7 @@ context shares (a tree's entries settled on the path the context follows) and fe
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ from ..draft import Draft
 from ..models.loading import context_length
 from ..models.logits import ModelHead
 from ..tree import DraftTree
+from .ragged import Segment, packed
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -52,6 +54,11 @@ class _SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.owner.packed is not None:  # a ragged forward: token i goes to (rows[i], positions[i])
+            rows, positions = self.owner.packed
+            self.keys[rows, :, positions] = key_states[0].transpose(0, 1)
+            self.values[rows, :, positions] = value_states[0].transpose(0, 1)
+            return key_states, value_states  # its attention reads each row's slots (`ragged`)
         first, span, index = self.owner.first, self.owner.span, self.owner.write_index
         rows = slice(first, first + key_states.shape[0])
         index = index[:, None, :, None].expand_as(key_states)
@@ -82,6 +89,7 @@ class _Slots(Cache):
         self.rows, self.capacity = rows, capacity
         self.first, self.span = 0, 0
         self.write_index = torch.zeros(0, 0, dtype=torch.long)
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # a ragged forward's (row, position) per token
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
     def resize(self, capacity: int) -> None:
@@ -102,8 +110,8 @@ def _resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 class Row:
     """One request's row: the tokens its slots hold (`tokens`, plus a verified tree's nodes until settled).
 
-    It is a `TargetCache`, as `CachedModel` is: `logits_for_tree` (a forward of this row alone), `features_for`,
-    `fed_tokens`, `keep_features`, `feature_layers`, `reset`."""
+    It is a `TargetCache`, as `CachedModel` is: `features_for`, `fed_tokens`, `keep_features`, `feature_layers`,
+    `reset`; its owner (`BatchedTarget.forward`) verifies it."""
 
     def __init__(self, owner: BatchedTarget, index: int):
         self.owner, self.index = owner, index
@@ -121,9 +129,6 @@ class Row:
 
     def reset(self) -> None:
         self.tokens, self.tree, self.fed_tokens = [], None, 0
-
-    def logits_for_tree(self, context: list[int], tree: DraftTree) -> torch.Tensor:
-        return self.owner.forward([(self, context, tree)])[0]
 
     def features_for(self, tokens: list[int]) -> torch.Tensor:
         """The target's features [n, D] (`feature_tap`) for the longest prefix of `tokens` this row has computed."""
@@ -166,6 +171,7 @@ class BatchedTarget:
         self.feature_layers = tuple(feature_layers)
         self.features: torch.Tensor | None = None  # [rows, capacity, D]
         self.rows: list[Row | None] = [None] * rows
+        self.last_forward = (0, 0.0)  # the last `forward`'s tokens fed (rows' new tokens and trees) and seconds
 
     # --- rows ------------------------------------------------------------------------------------------------------
 
@@ -227,60 +233,76 @@ class BatchedTarget:
         row.tokens = row.tokens + tree.path_tokens(path)
 
     @torch.inference_mode()
-    def prefill(self, row: Row, context: list[int]) -> None:
+    def prefill(self, row: Row, context: list[int], tokens: int | None = None) -> bool:
         """Cache all of `context` but its last token in this row alone, so that a round that follows feeds this
-        request one token plus its draft, like every other row (a long prompt is chunks of this row, not a wide
-        batch)."""
-        for end in range(self.PREFILL_CHUNK, len(context) - 1 + self.PREFILL_CHUNK, self.PREFILL_CHUNK):
-            self._run([(row, context[: min(end, len(context) - 1)], DraftTree())], logits=False)
+        request one token plus its draft, like every other row; tokens: at most this many more now (a chunk of a
+        prompt joining a running batch). A long prompt is chunks of `PREFILL_CHUNK` tokens of this row, not a
+        wide batch. True once the row holds all but the last token."""
+        goal = len(context) - 1
+        done = min(common_prefix(row.tokens, context), goal)
+        stop = goal if tokens is None else min(goal, done + tokens)
+        while done < stop:
+            done = min(done + self.PREFILL_CHUNK, stop)
+            self._run([(row, context[:done], DraftTree())], logits=False)
+        return done >= goal
 
     @torch.inference_mode()
-    def forward(self, items: list[tuple[Row, list[int], DraftTree]]) -> list[torch.Tensor]:
+    def forward(
+        self, items: list[tuple[Row, list[int], DraftTree]], prefill: tuple[Row, list[int]] | None = None
+    ) -> list[torch.Tensor]:
         """Per (row, context, tree): logits [1 + tree.size, V] on the CPU, row 0 after the context and 1 + i after
         node i, as `CachedModel.logits_for_tree` gives them; the row then holds the context (the tree settles at
-        its next use)."""
-        return self._run(items, logits=True)
+        its next use). prefill: a joining request's row and the prompt tokens it should hold after this forward
+        (a chunk of its prompt sharing the forward, packed beside the others: `ragged`). Rows between the ones
+        named (requests still prefilling) ride along fed nothing."""
+        chunk = [] if prefill is None else [(prefill[0], prefill[1], DraftTree())]
+        rows = [row for row, _, _ in [*items, *chunk]]
+        fed, started = sum(row.fed_tokens for row in rows), time.perf_counter()
+        logits = self._run(items, logits=True, prefill=chunk)
+        self.last_forward = (sum(row.fed_tokens for row in rows) - fed, time.perf_counter() - started)
+        return logits
 
-    def _run(self, items: list[tuple[Row, list[int], DraftTree]], logits: bool) -> list[torch.Tensor]:
-        order = sorted(range(len(items)), key=lambda i: items[i][0].index)  # the model call takes rows in order
-        items = [items[i] for i in order]
-        first = items[0][0].index
-        if [row.index for row, _, _ in items] != list(range(first, first + len(items))):
-            raise ValueError("rows verified in one forward must be consecutive")
-        for _, context, tree in items:
+    def _run(self, items, logits: bool, prefill=()) -> list[torch.Tensor]:
+        named = {row.index: item for item in [*items, *prefill] for row in item[:1]}
+        if len(named) != len(items) + len(prefill):
+            raise ValueError("a forward names a row twice")
+        verified = {row.index for row, _, _ in items} if logits else set()
+        # the model call takes consecutive rows in order: a row in between that is not named is fed nothing
+        span = [
+            named.get(i, (self.rows[i], self.rows[i].tokens, DraftTree())) for i in range(min(named), max(named) + 1)
+        ]
+        for _, context, tree in span:
             if len(context) + max(tree.depths, default=-1) + 1 > self.context:
                 raise ValueError(
                     f"a forward over {len(context)} tokens and a draft {max(tree.depths, default=-1) + 1} deep "
                     f"reaches past the {self.context} positions this model is decoded within (`context_length`)"
                 )
         feeds, keeps = [], []
-        for row, context, _ in items:
+        for row, context, _ in span:
             self.settle(row, context)
-            keep = min(common_prefix(row.tokens, context), len(context) - 1 if logits else len(context))
+            keep = min(common_prefix(row.tokens, context), len(context) - (row.index in verified))
             feeds.append(context[keep:])
             keeps.append(keep)
-        width = max(len(feed) + tree.size for feed, (_, _, tree) in zip(feeds, items, strict=True))
-        hidden = self._body(items, feeds, keeps, width) if width else None
+        body = self._packed_body if items and prefill else self._body
+        hidden = body(span, feeds, keeps) if any(f or t.size for f, (_, _, t) in zip(feeds, span, strict=True)) else []
         out = []
-        for b, ((row, context, tree), feed) in enumerate(zip(items, feeds, strict=True)):
+        for (row, context, tree), feed, states in zip(span, feeds, hidden or [None] * len(span), strict=True):
             row.fed_tokens += len(feed) + tree.size
             row.tokens, row.tree = list(context), tree if tree.size else None
-            if logits:
-                out.append(hidden[b, len(feed) - 1 : len(feed) + tree.size])
+            if row.index in verified:
+                out.append((row.index, states[len(feed) - 1 : len(feed) + tree.size]))
         if not out:
             return []
-        chunks = self.head(torch.cat(out)).float().cpu()  # the head only on the rows verification reads
-        chunks = chunks.split([tree.size + 1 for _, _, tree in items])
-        result: list[torch.Tensor] = [None] * len(items)
-        for position, i in enumerate(order):  # back in the caller's order
-            result[i] = chunks[position]
-        return result
+        chunks = self.head(torch.cat([states for _, states in out])).float().cpu()  # only what verification reads
+        by_row = dict(zip([i for i, _ in out], chunks.split([len(states) for _, states in out]), strict=True))
+        return [by_row[row.index] for row, _, _ in items]  # in the caller's order
 
-    def _body(self, items, feeds: list[list[int]], keeps: list[int], width: int) -> torch.Tensor:
-        """The decoder's final hidden states [rows, width, d] for every row's feed and tree, padded to `width`."""
+    def _body(self, items, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor]:
+        """The decoder's final hidden states [fed, d] of each row's feed and tree: one forward with every row
+        padded to the widest."""
+        width = max(len(feed) + tree.size for feed, (_, _, tree) in zip(feeds, items, strict=True))
         n, span = len(items), max(keeps) + width
-        if span > self.slots.capacity:  # doubling, but never past what the model's context needs
-            self._resize(max(span, min(2 * self.slots.capacity, self.context)))
+        self._reserve(span)
         ids = torch.zeros(n, width, dtype=torch.long)
         positions = torch.zeros(n, width, dtype=torch.long)
         mask = torch.full((n, 1, width, span), torch.finfo(self.dtype).min, dtype=self.dtype)
@@ -295,6 +317,55 @@ class BatchedTarget:
         first = items[0][0].index
         self.slots.first, self.slots.span = first, span
         self.slots.write_index = (torch.tensor(keeps)[:, None] + torch.arange(width)).to(self.device)
+        hidden = self._call(ids, mask, positions, first, self.slots.write_index)
+        return [
+            hidden[b, : len(feed) + tree.size] for b, (feed, (_, _, tree)) in enumerate(zip(feeds, items, strict=True))
+        ]
+
+    def _packed_body(self, items, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor]:
+        """The same states from one packed sequence of every row's tokens, none padded (`ragged`)."""
+        self._reserve(
+            max(keep + len(feed) + tree.size for (_, _, tree), feed, keep in zip(items, feeds, keeps, strict=True))
+        )
+        ids, positions, rows, slots, segments, start = [], [], [], [], [], 0
+        for (row, _, tree), feed, keep in zip(items, feeds, keeps, strict=True):
+            fed = len(feed) + tree.size
+            if not fed:
+                continue
+            row_mask, row_positions = tree.attention(keep, len(feed), self.dtype, self.device)
+            ids += feed + tree.tokens
+            positions.append(row_positions[0])
+            rows += [row.index] * fed
+            slots.append(torch.arange(keep, keep + fed))
+            segments.append(Segment(row.index, start, start + fed, keep + fed, row_mask))
+            start += fed
+        index = (torch.tensor(rows, device=self.device), torch.cat(slots).to(self.device))
+        self.slots.packed = index
+        try:
+            with packed(self.model, segments, self.slots.layers):
+                hidden = self._call(
+                    torch.tensor([ids]),
+                    torch.zeros(1, 1, 1, 1, dtype=self.dtype),
+                    torch.cat(positions)[None],
+                    None,
+                    index,
+                )
+        finally:
+            self.slots.packed = None
+        states, at = [], 0
+        for (_, _, tree), feed in zip(items, feeds, strict=True):
+            fed = len(feed) + tree.size
+            states.append(hidden[0, at : at + fed])
+            at += fed
+        return states
+
+    def _reserve(self, span: int) -> None:
+        if span > self.slots.capacity:  # doubling, but never past what the model's context needs
+            self._resize(max(span, min(2 * self.slots.capacity, self.context)))
+
+    def _call(self, ids, mask, positions, first, index) -> torch.Tensor:
+        """The model's body over `ids` with the slots as its cache; the features kept at `index` (a row range's
+        [rows, width] positions from `first`, or a packed forward's (row, position) per token)."""
         inputs = {
             "input_ids": ids.to(self.device),
             "attention_mask": mask.to(self.device),
@@ -306,16 +377,19 @@ class BatchedTarget:
             return self.body(**inputs).last_hidden_state
         with feature_tap(self.model, self.feature_layers) as tapped:
             hidden = self.body(**inputs).last_hidden_state
-            self._keep_features(tapped(), first)
+            self._keep_features(tapped(), first, index)
         return hidden
 
-    def _keep_features(self, hidden: torch.Tensor, first: int) -> None:
-        rows, width, dim = hidden.shape
+    def _keep_features(self, hidden: torch.Tensor, first: int | None, index) -> None:
+        dim = hidden.shape[-1]
         if self.features is None or self.features.shape[1] != self.slots.capacity:
             features = hidden.new_zeros(len(self.rows), self.slots.capacity, dim)
             self.features = features if self.features is None else _resized(self.features, 1, self.slots.capacity)
-        index = self.slots.write_index[:, :, None].expand(rows, width, dim)
-        self.features[first : first + rows].scatter_(1, index, hidden)
+        if first is None:  # packed: token i at (rows[i], positions[i])
+            self.features[index] = hidden[0]
+            return
+        rows, width, _ = hidden.shape
+        self.features[first : first + rows].scatter_(1, index[:, :, None].expand(rows, width, dim), hidden)
 
 
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # models that passed `check_batched_logits` (once per model object)
@@ -336,18 +410,21 @@ def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None)
     tolerance = (1e-3 if dtype == torch.float32 else 5e-2) if default else tolerance
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    contexts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 4)]
-    drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in (2, 4)]
-    target = BatchedTarget(model, rows=2, capacity=16)
+    contexts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 4, 7)]
+    drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in (2, 4, 1)]
+    target = BatchedTarget(model, rows=3, capacity=16)
     rows = [target.add_row() for _ in contexts]
-    for row, context in zip(rows, contexts, strict=True):
+    for row, context in zip(rows[:2], contexts[:2], strict=True):
         target.prefill(row, context)
+    target.prefill(rows[2], contexts[2], tokens=2)
     items = [(row, c, DraftTree.chain(Draft(d))) for row, c, d in zip(rows, contexts, drafts, strict=True)]
+    # two rows verified with a third row's prompt chunk packed beside them (`ragged`), then that row verified
+    got = target.forward(items[:2], prefill=(rows[2], contexts[2][:6])) + target.forward(items[2:])
     device = next(model.parameters()).device
-    for got, context, draft in zip(target.forward(items), contexts, drafts, strict=True):
+    for logits, context, draft in zip(got, contexts, drafts, strict=True):
         ids = torch.tensor([context + draft], device=device)
         want = model(input_ids=ids, use_cache=False).logits[0, len(context) - 1 :].float().cpu()
-        error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        error = (logits - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
         if not error <= tolerance:
             raise ValueError(
                 f"{type(model).__name__}: logits computed for a batch of rows differ from the model's own forward "

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..batching import DEFAULT_MAX_BATCH
+from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_SHARE
 from .args import add_decoder_args, add_policy_scope_arg, build_decoder
 
 
@@ -45,6 +45,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_BATCH,
         help="requests decoded together, one target forward per round for all, each one's speculation chosen for "
         "the whole batch; 1: one request at a time (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--prefill-share",
+        type=float,
+        default=DEFAULT_PREFILL_SHARE,
+        help="share of a round's time a joining prompt gets while others decode, in (0, 1]: its chunk rides in the "
+        "round's forward, so the others wait about 1 / (1 - share) rounds between theirs; 1: a prompt enters whole, "
+        "the others waiting for it (default: %(default)s)",
     )
     add_policy_scope_arg(srv, "it keeps learning across requests")
     srv.add_argument(
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         history_scope=args.history_scope,
         max_batch=args.max_batch,
+        prefill_share=args.prefill_share,
     )
 
 
@@ -132,6 +141,7 @@ def _serve_replicas(args: argparse.Namespace) -> None:
         "max_body_bytes": args.max_body_bytes,
         "history_scope": args.history_scope,
         "max_batch": args.max_batch,
+        "prefill_share": args.prefill_share,
     }
     serve_replicas(
         decoder,

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ..batching import DEFAULT_MAX_BATCH
+from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_SHARE
 from ..drafters.suffix import SHARED as SHARED_HISTORY
 from ..engine import Decoder
 from .metrics import _Metrics
@@ -57,17 +57,19 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     history_scope: str = "shared",
     max_batch: int = DEFAULT_MAX_BATCH,
+    prefill_share: float = DEFAULT_PREFILL_SHARE,
 ) -> FastAPI:
     """An app serving `decoder`; the worker thread runs between the app's startup and shutdown.
 
     api_key: one key, several (a list, or one string with commas), or None (no authentication).
     history_scope: what the `suffix` drafter learns across requests from: `shared` (every request's output, the
     default), `per-key` (only earlier outputs of requests with the same API key) or `off` (nothing).
+    prefill_share: the share of a round's time a joining prompt gets while others decode (`Batch`).
     """
     keys = _check_options(decoder, api_key, max_queue, max_body_bytes, history_scope, max_batch)
     max_chars = _max_prompt_chars(decoder.tokenizer, decoder.target.max_length)
     metrics = _Metrics(decoder.drafter_names)
-    engine = DecodingWorker(decoder, max_queue, metrics, max_batch)
+    engine = DecodingWorker(decoder, max_queue, metrics, max_batch, prefill_share)
 
     app = FastAPI(title="metasd", lifespan=_lifespan)
     app.state.engine = engine  # the decoding thread; Ray replicas' health check reads it too

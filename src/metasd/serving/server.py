@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..batching import DEFAULT_MAX_BATCH
+from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_SHARE
 from ..engine import Decoder
 from .app import create_app
 from .protocol import MAX_BODY_BYTES
@@ -30,6 +30,7 @@ def serve(
     max_body_bytes: int = MAX_BODY_BYTES,
     history_scope: str = "shared",
     max_batch: int = DEFAULT_MAX_BATCH,
+    prefill_share: float = DEFAULT_PREFILL_SHARE,
 ) -> None:
     """Run the server until interrupted (the `metasd serve` command)."""
     import uvicorn
@@ -43,5 +44,6 @@ def serve(
         max_body_bytes=max_body_bytes,
         history_scope=history_scope,
         max_batch=max_batch,
+        prefill_share=prefill_share,
     )
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..batching import DEFAULT_PREFILL_SHARE
 from ..batching.batch import Batch
 from ..engine import Decoder, Generation
 from .detokenize import IncrementalText
@@ -95,13 +96,20 @@ class DecodingWorker:
     jobs waiting for a place in the batch. Between rounds it admits waiting jobs while the batch has room and
     drops requests whose client left; each round decodes every request in the batch."""
 
-    def __init__(self, decoder: Decoder, max_queue: int, metrics: _Metrics, max_batch: int = 1):
+    def __init__(
+        self,
+        decoder: Decoder,
+        max_queue: int,
+        metrics: _Metrics,
+        max_batch: int = 1,
+        prefill_share: float = DEFAULT_PREFILL_SHARE,
+    ):
         from jinja2 import TemplateError
 
         self._template_error = TemplateError
         self.decoder = decoder
         self.metrics = metrics
-        self.batch = Batch(decoder, max_batch)
+        self.batch = Batch(decoder, max_batch, prefill_share)
         self.max_queue = max_queue
         self.jobs: queue.Queue[_Job | None] = queue.Queue()  # arrived, not checked yet
         self.ready: deque[tuple[_Job, Generation]] = deque()  # checked, waiting for room in the batch
