@@ -82,7 +82,6 @@ class Batch:
         self.stats = BatchStats()
         self.last = (0, 0, 0)  # the last round's batch size, tokens drafted, tokens accepted
         self._chunk = self.MIN_CHUNK  # prompt tokens the next chunk prefills while others decode (`_timed`)
-        self._round: float | None = None  # seconds of a step with no chunk (moving average; None before one)
         # id(request) -> the decoder's policy its copy came from, and a bandit's statistics when it was copied
         self._policies: dict[int, tuple[Policy, dict | None]] = {}
 
@@ -153,9 +152,9 @@ class Batch:
             decision = OWN_CHOICE if len(decoding) == 1 else self.decision
             out += zip(decoding, run_round(decoding, self.target, decision, prefill=chunk), strict=True)
             self._count(len(decoding), decoding)
-            if joiner is None or len(chunk[1]) - held == self._chunk:  # not a prompt's last chunk: time it
-                self._timed(time.perf_counter() - started, chunk=joiner is not None)
             if joiner is not None:
+                if len(chunk[1]) - held == self._chunk:  # a whole chunk (not a prompt's last): time it
+                    self._timed(time.perf_counter() - started)
                 if len(chunk[1]) == len(joiner.context) - 1:
                     self.joining.remove(joiner)
             elif self.joining:  # prefill_share 1: the prompt enters whole
@@ -172,20 +171,17 @@ class Batch:
         """The prompt tokens a joining request's row should hold after this step's forward."""
         return request.context[: min(len(request.target.tokens) + self._chunk, len(request.context) - 1)]
 
-    def _timed(self, step_seconds: float, chunk: bool) -> None:
-        """A step's time. Without a chunk it is what a decoding request waits between two rounds (`_round`, a
-        moving average); with one, the next chunk's length follows from it: a chunk should take `prefill_share`
-        of a step, so the step should last `_round / (1 - prefill_share)`. A forward's time grows with its tokens
-        but far from in proportion, so the length is scaled by the chunk time allowed over the time this one
-        took (the step beyond `_round`), at most doubled or halved a step, at least `MIN_CHUNK` tokens (every
-        prompt gets in) and at most `PREFILL_CHUNK`."""
-        if not chunk:
-            self._round = step_seconds if self._round is None else 0.8 * self._round + 0.2 * step_seconds
-            return
-        base = self._round if self._round is not None else self.costs(len(self.requests) - len(self.joining), 1)
-        took = max(step_seconds - base, 1e-3)
-        allowed = base * self.prefill_share / (1 - self.prefill_share)
-        scaled = self._chunk * min(max(allowed / took, 0.5), 2.0)
+    def _timed(self, step_seconds: float) -> None:
+        """The next chunk's length from this step's: a chunk should take `prefill_share` of a step. The packed
+        forward's time is a pass over the weights, T(1) (`costs`), shared by every row, plus about the same time
+        for each token it carried; the chunk's time is its tokens' part, the rest of the step is what the decoding
+        requests would have waited anyway. Its length is scaled by the time allowed over the time taken, growing at
+        most by half and shrinking at most by half a step (a long chunk overshooting is a long gap for everyone), at
+        least `MIN_CHUNK` tokens (every prompt gets in) and at most `PREFILL_CHUNK`."""
+        tokens, seconds = self.target.last_forward
+        took = max(seconds - self.costs(1, 1), 0.0) * self._chunk / max(tokens, 1)
+        allowed = max(step_seconds - took, 0.0) * self.prefill_share / (1 - self.prefill_share)
+        scaled = self._chunk * min(max(allowed / max(took, 1e-6), 0.5), 1.5)
         self._chunk = max(self.MIN_CHUNK, min(int(scaled), self.target.PREFILL_CHUNK))
 
     def _prefill(self, request: Generation) -> list[tuple[Generation, list[int]]]:
