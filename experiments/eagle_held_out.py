@@ -10,24 +10,10 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from metasd.models.eagle_head import load_head
 from metasd.models.loading import load_model
-from metasd.specialists.eagle_corpus import TokenFeatures, read_corpus
+from metasd.specialists.eagle_corpus import read_corpus
 from metasd.specialists.eagle_train import StoredSequences, TrainConfig, held_out_metrics, held_out_split
-
-
-def prompt_lengths(corpus: Path) -> list[int]:
-    """Each sequence's prompt length, in `read_corpus`'s order."""
-    return [n for path in sorted(corpus.glob("shard-*.safetensors")) for n in load_file(str(path))["prompt_lengths"]]
-
-
-def answers_only(seq: TokenFeatures, prompt: int) -> TokenFeatures:
-    """The sequence with no feature before its prompt's last position: only the answer's tokens are predicted."""
-    features = seq.features.clone()
-    features[: max(prompt - 1, 0)] = 0
-    return TokenFeatures(seq.tokens, features)
 
 
 def main() -> None:
@@ -47,10 +33,7 @@ def main() -> None:
     for path in args.heads:
         saved = load_head(path, target.model)
         layers = saved.head.config.feature_layers  # the corpus's features as this head reads them
-        seqs = StoredSequences([s for d in args.corpus for s in read_corpus(Path(d), layers)])
-        if args.answers_only:
-            starts = [int(n) for d in args.corpus for n in prompt_lengths(Path(d))]
-            seqs = StoredSequences([answers_only(s, n) for s, n in zip(seqs.seqs, starts, strict=True)])
+        seqs = StoredSequences([s for d in args.corpus for s in read_corpus(Path(d), layers)], args.answers_only)
         held = seqs if args.whole else held_out_split(seqs)[0]
         head = saved.head.float()
         cfg = TrainConfig(**saved.training.get("train_config", {}))

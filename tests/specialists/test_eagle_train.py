@@ -173,6 +173,30 @@ def test_documents_are_read_whole_in_one_prefill(tiny_target, texts_file, tmp_pa
     assert encode_documents(target.tokenizer, [texts_file], 7) == [doc[:7]]
 
 
+def test_a_held_out_set_of_answers_counts_the_answers_positions_only(tiny_target, texts_file, tmp_path):
+    """The corpus keeps each sequence's prompt length (a document's is 0); a held-out set of answers counts only
+    the pairs whose next token is the answer's, the prompt staying context, while a document counts whole."""
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    prompts = encode_prompts(target.tokenizer, chat(PROMPTS[:3]), 64)
+    write_corpus(target, prompts, tmp_path / "answers", max_new_tokens=6)
+    (doc,) = encode_documents(target.tokenizer, [texts_file], 1000)
+    write_corpus(target, [doc], tmp_path / "docs", max_new_tokens=0)
+    answers, docs = read_corpus(tmp_path / "answers"), read_corpus(tmp_path / "docs")
+    assert sorted(s.prompt for s in answers) == sorted(len(p) for p in prompts) and [s.prompt for s in docs] == [0]
+    seqs = answers + docs
+    rows = list(range(len(seqs)))
+    _, feats, real = StoredSequences(seqs, answers_only=True).stack(rows, 256)
+    _, same, every = StoredSequences(seqs).stack(rows, 256)
+    torch.testing.assert_close(feats, same)  # the prompt's features stay: the head reads them as context
+    counted = (real[:, 1:] & real[:, :-1]).sum(1).tolist()
+    whole = (every[:, 1:] & every[:, :-1]).sum(1).tolist()
+    assert whole[-1] == len(doc) - 1 and counted[-1] == whole[-1]  # a document: every next token
+    for answer, n, all_pairs in zip(seqs[:-1], counted, whole, strict=False):  # the prompt's pairs left out
+        assert n == all_pairs - (answer.prompt - 1) and n == len(answer.tokens) - answer.prompt - 1 > 0
+
+
 @pytest.mark.parametrize("layers", [(), (0,)])
 def test_every_unrolled_pass_computes_what_the_draft_step_it_stands_for_computes(layers):
     """Training-time test as deep as drafts go: pass s's entry i, fed pass s - 1's prediction of f_i, equals the

@@ -47,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         help="corpus directories to report held-out metrics on instead of the first ~2 %% of the training data "
-        "(e.g. the target's answers to prompts no training text holds)",
+        "(e.g. the target's answers to prompts no training text holds), counting the answers' tokens only (the "
+        "prompts are context: drafting never drafts a prompt)",
     )
     p.add_argument(
         "--evaluate-every",
@@ -232,7 +233,9 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
         PrefilledSequences(target.model, [s.tokens for s in seqs], layers) if args.stream else StoredSequences(seqs)
     )
     held_out = (
-        StoredSequences([s for d in args.held_out for s in read_corpus(Path(d), layers)]) if args.held_out else None
+        StoredSequences([s for d in args.held_out for s in read_corpus(Path(d), layers)], answers_only=True)
+        if args.held_out
+        else None
     )
     out = Path(args.out)
     with tqdm(unit="step", desc="training", disable=args.quiet) as bar:

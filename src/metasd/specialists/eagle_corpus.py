@@ -28,10 +28,12 @@ from .distill import encode, read_prompts
 
 @dataclass(frozen=True)
 class TokenFeatures:
-    """One prompt + answer: `tokens` [n], `features` [n, D] (the last row is the feature of the last token)."""
+    """One prompt + answer: `tokens` [n], `features` [n, D] (the last row is the feature of the last token);
+    `prompt`: how many of the tokens are the prompt the target answered (0: a document, every token is text)."""
 
     tokens: torch.Tensor
     features: torch.Tensor
+    prompt: int = 0
 
 
 def read_prompt_files(paths: list[str]) -> list[list[dict]]:
@@ -282,6 +284,7 @@ def read_corpus(out: Path, feature_layers: tuple[int, ...] | None = None) -> lis
         if columns is not None:
             features = features[:, columns]
         offsets = [0, *data["lengths"].cumsum(0).tolist()]
-        for a, b in zip(offsets, offsets[1:], strict=False):
-            seqs.append(TokenFeatures(data["tokens"][a:b], features[a:b]))
+        prompts = data["prompt_lengths"].tolist()
+        for a, b, prompt in zip(offsets[:-1], offsets[1:], prompts, strict=True):
+            seqs.append(TokenFeatures(data["tokens"][a:b], features[a:b], prompt if prompt < b - a else 0))
     return seqs

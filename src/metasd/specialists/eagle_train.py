@@ -83,15 +83,18 @@ def right_padded(token_lists: list[torch.Tensor], max_length: int) -> tuple[torc
 
 @dataclass(frozen=True)
 class StoredSequences:
-    """A corpus read from disk (`eagle_corpus.read_corpus`): features as the target computed them once."""
+    """A corpus read from disk (`eagle_corpus.read_corpus`): features as the target computed them once.
+    answers_only: a sequence's prompt positions are context, not counted (`stack`'s `real` leaves them out): what
+    a held-out set of the target's answers measures, since drafting never drafts a prompt."""
 
     seqs: list[TokenFeatures]
+    answers_only: bool = False
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     def __getitem__(self, index: slice) -> StoredSequences:
-        return StoredSequences(self.seqs[index])
+        return StoredSequences(self.seqs[index], self.answers_only)
 
     def tokens(self, i: int) -> torch.Tensor:
         return self.seqs[i].tokens
@@ -106,6 +109,9 @@ class StoredSequences:
             f = self.seqs[i].features[: tokens.shape[1]]
             feats[row, : len(f)] = f.float()
         real = feats.abs().sum(-1) > 0  # positions whose feature was computed (padding and a final token's are 0)
+        if self.answers_only:  # a pair (i, i + 1) counts when token i + 1 is the answer's
+            for row, i in enumerate(idx):
+                real[row, : max(self.seqs[i].prompt - 1, 0)] = False
         return tokens, feats, real
 
 
