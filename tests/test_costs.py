@@ -194,9 +194,11 @@ def test_after_a_burst_of_slow_forwards_the_policy_chooses_as_before(embedded, m
     """Two decoders see the same requests; in one, another process takes the CPU for a few forwards of the second
     request. Once the machine is quiet again, both choose the same drafts and believe the same T(M)."""
     import metasd.engine
+    import metasd.round
 
     clock = FakeClock()
     monkeypatch.setattr(metasd.engine, "time", clock)
+    monkeypatch.setattr(metasd.round, "time", clock)  # a round's forward is timed there
     decoders = []
     for slow in (range(0), range(30, 38)):
         decoder = Decoder(drafters=["ngram"], policy="metasd-adaptive:max=4")

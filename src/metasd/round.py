@@ -156,6 +156,7 @@ def run_round(
     added = []
     for request, state, rows, before in zip(requests, states, logits, fed, strict=True):  # 5. accept, emit, learn
         state.clock.verifying, state.clock.forwarded = started, ended
-        prefilled = request.target.fed_tokens - before > state.tree.size + 1  # the forward took in the prompt too
+        # the forward took in a prompt too (its own, or a joiner's chunk): the policy is rewarded as without it
+        prefilled = prefill is not None or request.target.fed_tokens - before > state.tree.size + 1
         added.append(request.accept(state, rows, prefilled=prefilled, alone=alone))
     return added

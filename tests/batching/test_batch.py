@@ -16,6 +16,7 @@ import metasd.engine as engine
 from metasd import Decoder
 from metasd.batching.batch import Batch
 from metasd.batching.decision import Plan, decide
+from metasd.batching.slots import BatchedTarget
 from metasd.cached_model import CachedModel
 from metasd.drafters.eagle import EagleDrafter
 from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
@@ -160,14 +161,17 @@ def test_a_batch_that_cannot_gain_from_drafting_skips_the_proposals(decoder, alo
         assert request.token_ids == alone[prompt]
 
 
+class _TokenChunks(Batch):
+    MIN_CHUNK = 1  # with a tiny prefill_share, a prompt enters a token a step
+
+
 def test_sampled_output_in_a_batch_follows_the_targets_distribution(pair):
     """The request of interest decodes beside two others (different prompts and lengths, each drafting with its
     own q), joining at once at a rotating place, or after they started, its prompt then entering a token a step
     while they decode (chunked prefill): its first two tokens must follow the target's exact distribution."""
     target, target_dir, draft_dir = pair
     decoder = _decoder(target_dir, draft_dir)
-    batch = Batch(decoder, max_batch=3, prefill_share=0.01)
-    batch.MIN_CHUNK = 1
+    batch = _TokenChunks(decoder, max_batch=3, prefill_share=0.01)
     options = {"temperature": PARAMS.temperature, "top_k": PARAMS.top_k, "top_p": PARAMS.top_p}
     counts, batched_rounds, chunked = Counter(), 0, 0
     for seed in range(DRAWS):
@@ -217,6 +221,33 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_keep_decoding(decoder, 
     assert joiner.token_ids == reference
     for request, prompt in zip(running, PROMPTS[:2], strict=True):
         assert request.token_ids == alone[prompt]
+
+
+def test_a_chunk_riding_in_a_round_is_left_out_of_the_decoding_requests_rewards(decoder, monkeypatch):
+    """The decoding requests' policies are rewarded for a round as it costs without the joiner's chunk (a chunk
+    made 0.3 s slower here), as for a prompt's prefill: a slow joiner must not teach them that rounds are slow."""
+    seen = []
+    original_feedback, original_packed = AdaptivePolicy.feedback, BatchedTarget._packed_body
+
+    def feedback(policy, outcome):
+        seen.append(outcome.verify_time)
+        return original_feedback(policy, outcome)
+
+    def slow_packed(target, *args):
+        time.sleep(0.3)
+        return original_packed(target, *args)
+
+    monkeypatch.setattr(AdaptivePolicy, "feedback", feedback)
+    monkeypatch.setattr(BatchedTarget, "_packed_body", slow_packed)
+    batch = Batch(decoder, max_batch=3)
+    running = [decoder.stream(p, max_new_tokens=20) for p in PROMPTS[:2]]
+    for request in running:
+        batch.join(request)
+    batch.step()
+    batch.join(decoder.stream(" ".join(PROMPTS * 4), max_new_tokens=2))
+    seen.clear()
+    batch.step()
+    assert len(seen) == 2 and max(seen) < 0.3, seen
 
 
 def test_each_requests_verify_time_is_the_forward_and_its_own_acceptance(decoder, monkeypatch):

@@ -78,9 +78,9 @@ class Batch:
         self.decision = BatchDecision(self.costs)
         self.requests: list[Generation] = []
         self.joining: list[Generation] = []  # requests whose prompts are not all in yet, in the order they joined
-        self.failed: list[tuple[Generation, Exception]] = []  # the last step's requests whose leaving raised
+        self.failed: list[tuple[Generation, Exception]] = []  # the last step's requests whose prefill or leaving raised
         self.stats = BatchStats()
-        self.last = (0, 0, 0)  # the last round's batch size, tokens drafted, tokens accepted
+        self.last = (0, 0, 0)  # the last step's round: batch size, tokens drafted, tokens accepted (0s: no round)
         self._chunk = self.MIN_CHUNK  # prompt tokens the next chunk prefills while others decode (`_timed`)
         # id(request) -> the decoder's policy its copy came from, and a bandit's statistics when it was copied
         self._policies: dict[int, tuple[Policy, dict | None]] = {}
@@ -140,7 +140,7 @@ class Batch:
         prompt: the tokens each request added (a joiner adds none). Requests that ended have left; one whose
         leaving or prefill raised is in `failed` with its error (and in the list with no tokens), for its caller to
         fail that request alone."""
-        self.failed, out = [], []
+        self.failed, out, self.last = [], [], (0, 0, 0)
         if self.joining and len(self.joining) == len(self.requests):  # nobody decodes: nobody waits for them
             for request in list(self.joining):
                 out += self._prefill(request)

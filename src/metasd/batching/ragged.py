@@ -41,10 +41,13 @@ _ACTIVE: ContextVar[tuple[Sequence[Segment], Sequence] | None] = ContextVar("met
 
 
 def ragged_attention(module, query, key, value, attention_mask, **kwargs):
-    """Per segment, the SDPA attention of its queries [1, h, n, d] over its row's cached keys and values."""
+    """Per segment, the SDPA attention of its queries [1, h, n, d] over its row's cached keys and values. Outside
+    a packed forward (the same model in another thread meanwhile), the model's SDPA attention as it is."""
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if _ACTIVE.get() is None:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
     segments, layers = _ACTIVE.get()
     layer = layers[module.layer_idx]
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, n, h, d]
     for s in segments:
         keys = layer.keys[s.row : s.row + 1, :, : s.span]

@@ -4,7 +4,8 @@ Continuous batching (Orca, Yu et al., OSDI 2022) runs every request in flight th
 while requests join and leave between rounds. Each request here owns a row of a preallocated key/value buffer
 [rows, heads, capacity, head_dim] per layer: a round writes each row's new tokens at that row's own positions
 (a scatter, nothing of the cached context is copied) and attends through a 4D additive mask, so rows of different
-lengths, each with its own draft (a chain or a draft tree, `metasd.tree`), share one forward padded to the widest.
+lengths, each with its own draft (a chain or a draft tree, `metasd.tree`), share one forward padded to the widest;
+a forward carrying a prompt chunk packs every row's tokens instead (`ragged`).
 
 A row mirrors a token list exactly as `CachedModel` does: before a forward it keeps the cached prefix the new
 context shares (a tree's entries settled on the path the context follows) and feeds the rest, so no caller crops.
@@ -140,7 +141,8 @@ class Row:
 
 class BatchedTarget:
     """The target model over rows of slots: `forward` verifies each row's draft tree after its context, all rows in
-    one model call. Rows in one call must be consecutive (the whole batch, or one row for a prefill).
+    one model call (rows between the ones named ride along fed nothing), and may carry a chunk of a joining
+    row's prompt packed beside them (`ragged`).
 
     Memory: a row's slots and features grow with its context, up to the model's context (`context_length`) and a
     round's width past it, and shrink again once the longest request has left; a prompt is prefilled in chunks of

@@ -282,15 +282,16 @@ class DecodingWorker:
                 self._end(progress, error=ApiError(500, f"internal error: {err}", kind="server_error"))
             return
         size, drafted, accepted = self.batch.last
-        self.metrics.batch_size.observe(size)
-        self.metrics.batch_drafted.labels(str(size)).inc(drafted)
-        self.metrics.batch_accepted.labels(str(size)).inc(accepted)
+        if size:  # a step that only prefilled ran no round
+            self.metrics.batch_size.observe(size)
+            self.metrics.batch_drafted.labels(str(size)).inc(drafted)
+            self.metrics.batch_accepted.labels(str(size)).inc(accepted)
         failed = {id(gen): err for gen, err in self.batch.failed}
         for gen, _ in out:
             progress = self.active[id(gen)]
-            if id(gen) in failed:  # its output is whole, but ending it failed: that request's 500
+            if id(gen) in failed:  # its prompt's prefill, or ending it, failed: that request's 500
                 err = failed[id(gen)]
-                log.error("ending a request failed", exc_info=err)
+                log.error("prefilling or ending a request failed", exc_info=err)
                 self._end(progress, error=ApiError(500, f"internal error: {err}", kind="server_error"))
                 continue
             try:
