@@ -326,12 +326,10 @@ class BatchedTarget:
 
     def _packed_body(self, items, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor]:
         """The same states from one packed sequence of every row's tokens, none padded (`ragged`)."""
-        self._reserve(
-            max(keep + len(feed) + tree.size for (_, _, tree), feed, keep in zip(items, feeds, keeps, strict=True))
-        )
+        lengths = [len(feed) + tree.size for (_, _, tree), feed in zip(items, feeds, strict=True)]
+        self._reserve(max(keep + fed for keep, fed in zip(keeps, lengths, strict=True)))
         ids, positions, rows, slots, segments, start = [], [], [], [], [], 0
-        for (row, _, tree), feed, keep in zip(items, feeds, keeps, strict=True):
-            fed = len(feed) + tree.size
+        for (row, _, tree), feed, keep, fed in zip(items, feeds, keeps, lengths, strict=True):
             if not fed:
                 continue
             row_mask, row_positions = tree.attention(keep, len(feed), self.dtype, self.device)
@@ -354,12 +352,7 @@ class BatchedTarget:
                 )
         finally:
             self.slots.packed = None
-        states, at = [], 0
-        for (_, _, tree), feed in zip(items, feeds, strict=True):
-            fed = len(feed) + tree.size
-            states.append(hidden[0, at : at + fed])
-            at += fed
-        return states
+        return list(hidden[0].split(lengths))  # a row fed nothing gets no states
 
     def _reserve(self, span: int) -> None:
         if span > self.slots.capacity:  # doubling, but never past what the model's context needs
