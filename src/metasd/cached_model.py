@@ -98,7 +98,8 @@ class TargetCache(Protocol):
     keep_features: bool
     feature_layers: tuple[int, ...]
 
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Empty the cache: a new request starts from no tokens."""
 
     def features_for(self, tokens: list[int]) -> torch.Tensor:
         """The target's features [n, D] for the longest prefix of `tokens` computed."""
@@ -139,6 +140,7 @@ class CachedModel:
         return self.features[: common_prefix(self.tokens, tokens)]
 
     def reset(self) -> None:
+        """Forget every cached token: a new request starts from an empty cache."""
         self.tokens = []
         self._tree = None
         self.cache = DynamicCache(config=self.model.config)

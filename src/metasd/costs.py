@@ -80,6 +80,7 @@ class TargetCost:
 
     @property
     def max_tokens(self) -> int:
+        """The largest M the table was calibrated for."""
         return len(self.calibrated)
 
     def _fresh(self, i: int) -> list[float]:
@@ -106,6 +107,7 @@ class TargetCost:
         return self.calibrated[i] * self.scale()
 
     def observe(self, m: int, seconds: float) -> None:
+        """A real round's forward over `m` new tokens took `seconds` (ignored outside the calibrated range)."""
         if not 1 <= m <= self.max_tokens or not seconds > 0:
             return
         self._round += 1
@@ -118,9 +120,11 @@ class TargetCost:
         return self._round
 
     def plain_step_due(self) -> bool:
+        """Whether T(1) was last measured `RECHECK` or more rounds ago, so that a plain step should measure it."""
         return self._round - self._last_plain >= self.RECHECK
 
     def table(self) -> list[float]:
+        """T(M) in seconds for M = 1 .. `max_tokens`, as estimated now."""
         return [self(m) for m in range(1, self.max_tokens + 1)]
 
 
@@ -168,6 +172,7 @@ class DrafterCost:
         return self.step.value if self.step.value is not None else 0.25 * t1
 
     def catch_up_time(self, missed: int, t1: float) -> float:
+        """Seconds to take in `missed` unseen tokens; until measured, guessed cheap from `t1`, the target's T(1)."""
         if missed <= 0:
             return 0.0
         return self.catch_up(missed) if self.catch_up.measured else 0.01 * t1 * missed
@@ -197,6 +202,7 @@ class CostModel:
         self.overhead = {regime: _Mean() for regime in REGIMES}
 
     def drafter(self, name: str) -> DrafterCost:
+        """The costs of drafter `name`, created unmeasured on first use."""
         return self.drafters.setdefault(name, DrafterCost())
 
 
@@ -277,6 +283,7 @@ def calibration_key(spec: str, model: torch.nn.Module, max_tokens: int, candidat
 
 
 def cache_file(key: dict) -> Path:
+    """Where the calibration measured under `key` (`calibration_key`) is cached on disk."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "calibration" / f"{digest}.json"
 

@@ -12,6 +12,8 @@ import torch
 
 @dataclass
 class Draft:
+    """The tokens a drafter proposes for one round, with what the acceptance rule and the policies read of them."""
+
     tokens: list[int]
     q: torch.Tensor | None = None  # [len(tokens), V] probabilities the tokens were drawn from; None = one-hot
     # Per token, the drafter's own signal in [0, 1] of how sure it is (n-gram match length, the suffix index's

@@ -109,6 +109,7 @@ class Decoder:
 
     @property
     def drafter_names(self) -> list[str]:
+        """The pool's drafter names, in the order policies number them."""
         return list(self.drafters)
 
     def encode(self, prompt: Prompt, raw: bool = False) -> list[int]:
@@ -129,6 +130,7 @@ class Decoder:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (special tokens left out)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def stream(
@@ -297,16 +299,19 @@ class Generation:
         self.finish()
 
     def result(self) -> GenerationResult:
+        """The request's text, tokens, statistics and finish reason so far."""
         return GenerationResult(
             self.decoder.decode(self.token_ids), list(self.token_ids), self.stats, self.finish_reason
         )
 
     @property
     def started(self) -> bool:
+        """Whether the request has begun (its caches and drafters set up)."""
         return self._started is not None
 
     @property
     def done(self) -> bool:
+        """Whether the request has all its tokens or met an end-of-sequence token."""
         return len(self.token_ids) >= self.max_new_tokens or self.finish_reason == "stop"
 
     def begin(self) -> None:

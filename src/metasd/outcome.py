@@ -22,6 +22,9 @@ class Extension:
 
 @dataclass(frozen=True)
 class RoundOutcome:
+    """One verified round: who drafted what, how much of it was accepted, the context it left, the target's view of
+    the drafted positions, and its times in seconds (`draft_time`, `verify_time`)."""
+
     arm: int | None  # the drafter that drafted (None: a plain target step)
     k: int  # the draft length the round allowed (what rewards divide by)
     draft: Draft

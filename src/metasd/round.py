@@ -35,14 +35,17 @@ class RoundClock:
 
     @property
     def draft_seconds(self) -> float:
+        """Seconds the chosen drafter drafted."""
         return self.drafted - self.chosen
 
     @property
     def forward_seconds(self) -> float:
+        """Seconds of the target's forward."""
         return self.forwarded - self.verifying
 
     @property
     def accept_seconds(self) -> float:
+        """Seconds of this request's acceptance rule."""
         return self.verified - self.accepting
 
     @property
@@ -52,6 +55,7 @@ class RoundClock:
 
     @property
     def total_seconds(self) -> float:
+        """Seconds from the round's start to the end of its learning."""
         return self.finished - self.started
 
 

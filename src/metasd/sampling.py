@@ -43,6 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether these parameters mean greedy decoding (temperature below `GREEDY_BELOW`)."""
         return self.temperature < GREEDY_BELOW
 
 

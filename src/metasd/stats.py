@@ -34,6 +34,9 @@ class Round:
 
 @dataclass
 class DrafterStats:
+    """One drafter's totals over a request: rounds it drafted (`pulls`), tokens it drafted and had accepted, and
+    the sum of its rewards."""
+
     pulls: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -41,11 +44,14 @@ class DrafterStats:
 
     @property
     def mean_reward(self) -> float:
+        """The drafter's mean reward per round it drafted (0 before any)."""
         return self.reward_sum / self.pulls if self.pulls else 0.0
 
 
 @dataclass
 class GenerationStats:
+    """One request's statistics: its prompt and new tokens, its wall time in seconds, and every round's record."""
+
     prompt_tokens: int = 0
     new_tokens: int = 0
     wall_time: float = 0.0
@@ -58,15 +64,18 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """New tokens per second of wall time."""
         return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
     @property
     def switches(self) -> int:
+        """How often the drafting drafter changed from one drafted round to the next (plain steps skipped)."""
         names = [r.drafter for r in self.rounds if r.drafter is not None]
         return sum(a != b for a, b in pairwise(names))
 
     @property
     def catch_up_tokens(self) -> int:
+        """Context tokens drafters had to take in because they had missed them while others drafted."""
         return sum(r.catch_up for r in self.rounds)
 
     def per_position_acceptance(self) -> list[float]:
@@ -79,6 +88,8 @@ class GenerationStats:
         return rates
 
     def drafters(self) -> dict[str, DrafterStats]:
+        """Each drafter's totals, by name; a free drafter's continuations of a model's drafts count as its tokens,
+        not as its rounds."""
         out: dict[str, DrafterStats] = {}
         for r in self.rounds:
             if r.drafter is None:
@@ -96,6 +107,7 @@ class GenerationStats:
         return out
 
     def to_dict(self, rounds: bool = False) -> dict:
+        """The statistics as JSON-ready values (times in seconds), with every round's record when `rounds`."""
         out = {
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,

@@ -37,6 +37,7 @@ class DraftTree:
 
     @classmethod
     def chain(cls, draft: Draft, arm: int | None = None) -> DraftTree:
+        """A tree of one branch: drafter `arm`'s `draft`."""
         tree = cls()
         tree.add(arm, draft)
         return tree
@@ -49,6 +50,7 @@ class DraftTree:
 
     @property
     def size(self) -> int:
+        """The number of nodes: the drafted tokens one forward verifies."""
         return len(self.tokens)
 
     @property
@@ -83,6 +85,7 @@ class DraftTree:
         return 0
 
     def child(self, parent: int, token: int) -> int | None:
+        """The node holding `token` under `parent` (-1: the root), or None."""
         return self._children.get((parent, token))
 
     def follow(self, tokens: list[int]) -> list[int]:
@@ -97,6 +100,7 @@ class DraftTree:
         return path
 
     def path_tokens(self, path: list[int] | tuple[int, ...]) -> list[int]:
+        """The tokens the nodes of `path` hold."""
         return [self.tokens[n] for n in path]
 
     def prefixes(self) -> list[list[int]]:

@@ -26,6 +26,9 @@ from .tree import DraftTree
 
 @dataclass(frozen=True)
 class Verdict:
+    """What the acceptance rule decided of a round's draft: the drafted tokens kept, the target's own token after
+    them, and (a tree) the nodes that held the kept tokens."""
+
     accepted: int  # drafted tokens kept
     next_token: int  # the target's own token after them (correction or bonus)
     # greedy: the target's argmax at every drafted position and after (for rewards; not part of the verdict's value)

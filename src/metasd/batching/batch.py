@@ -90,6 +90,7 @@ class Batch:
 
     @property
     def full(self) -> bool:
+        """Whether the batch holds `max_batch` requests (a new one must wait)."""
         return len(self.requests) >= self.max_batch
 
     def join(self, request: Generation) -> None:

@@ -36,6 +36,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class Decision:
+    """One round's decision for a batch: each request's (drafter, k) and the shared forward's expected width."""
+
     choices: list[tuple[int | None, int]]  # per request (drafter, k)
     width: int  # tokens per row of the round's forward: 1 + the longest draft
     rate: float  # the batch's expected tokens per second, optimism left out (the bar later choices must beat)

@@ -122,10 +122,12 @@ class Row:
 
     @property
     def keep_features(self) -> bool:
+        """Whether the batch's forward keeps the target's features (a drafter of the pool reads them)."""
         return self.owner.keep_features
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose outputs the kept features hold beside the final norm's."""
         return self.owner.feature_layers
 
     def reset(self) -> None:
@@ -179,6 +181,7 @@ class BatchedTarget:
 
     @property
     def active(self) -> int:
+        """How many rows hold a request now."""
         return sum(r is not None for r in self.rows)
 
     def add_row(self) -> Row:

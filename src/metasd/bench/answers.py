@@ -15,6 +15,7 @@ from .runners import QuestionRecord
 
 
 def answer_line(method: str, record: QuestionRecord) -> dict:
+    """One question's answer line as Spec-Bench writes it, for `method` (its model_id); wall times in seconds."""
     q = record.question
     return {
         "question_id": q.question_id,
@@ -36,6 +37,7 @@ def answer_line(method: str, record: QuestionRecord) -> dict:
 
 
 def write_answers(path: Path, method: str, records: dict[int, QuestionRecord], questions: list[Question]) -> None:
+    """Write `method`'s answer file to `path`: a line per question, in the order of `questions`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for q in questions:

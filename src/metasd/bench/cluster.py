@@ -25,6 +25,9 @@ MAX_ATTEMPTS = 2  # a question lost with its worker is retried once elsewhere
 
 @dataclass
 class ClusterOptions:
+    """Where `metasd bench` runs its questions: in process or on which Ray cluster, with how many workers of how
+    many CPUs each, and whether it resumes from stored results."""
+
     address: str | None = None  # None: in process (no Ray); "local": a local Ray instance; else a Ray address
     workers: int | None = None  # None: one per Ray node
     worker_cpus: int | None = None  # None: what fits one worker per node (the smallest node's CPUs / workers there)

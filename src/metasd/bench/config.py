@@ -14,6 +14,9 @@ from .questions import Question, load_questions, select_questions
 
 @dataclass
 class BenchConfig:
+    """Everything one `metasd bench` run is asked to do: the questions and which of them, the methods and drafter
+    pool, the target and how it runs, and what the run writes to `out`."""
+
     questions: str | Path
     out: str | Path = "bench-out"
     categories: list[str] | None = None  # Spec-Bench groups or MT-bench categories; None = all groups

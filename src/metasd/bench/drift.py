@@ -48,6 +48,7 @@ METHODS = (
 
 
 def template(first: str, second: str) -> str:
+    """The one user turn that asks for both requests, the second answer to start with `MARKER`."""
     return (
         f"I have two requests. Answer them one after the other.\n\n## Request 1\n{first}\n\n## Request 2\n"
         f'{second}\n\nStart your reply with "## Answer 1" and answer request 1. Then write "{MARKER}" on a '
@@ -57,12 +58,15 @@ def template(first: str, second: str) -> str:
 
 @dataclass(frozen=True)
 class DriftRequest:
+    """One drift request: the question it is measured as, its kind, and the two Spec-Bench questions it joins."""
+
     question: Question  # category = the kind; turns = (the constructed prompt,)
     kind: str
     first: tuple[int, str]  # (Spec-Bench question id, category) of request 1
     second: tuple[int, str]  # of request 2 (for drift-translation: the article the English sentence comes from)
 
     def to_json(self) -> dict:
+        """The request as a line of the prompts file: its id, kind, prompt, sources and marker."""
         return {
             "question_id": self.question.question_id,
             "kind": self.kind,
@@ -123,10 +127,12 @@ def drift_requests(
 
 
 def drift_questions(path: str | Path, seed: int, per_kind: int | None, kinds: Sequence[str] | None) -> list[Question]:
+    """The drift requests (`drift_requests`) built from the questions file at `path`, as questions to measure."""
     return [r.question for r in drift_requests(load_questions(path), seed, per_kind, kinds)]
 
 
 def write_prompts(path: Path, requests: list[DriftRequest]) -> None:
+    """Write the requests to `path` as JSONL, one `to_json` line each."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for r in requests:

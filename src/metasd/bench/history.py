@@ -14,6 +14,9 @@ import pickle
 
 
 class DrafterHistory:
+    """A snapshot of the drafters that learn across requests: "has served the reference answers of the questions
+    before this one", restored before each method runs on a question."""
+
     def __init__(self, drafters: dict):
         self.stateful = {name: d for name, d in drafters.items() if d.learns_across_requests}
         self._snapshot = self._capture()

@@ -23,10 +23,13 @@ DERIVED = ("oracle-category",)  # computed from other runs: no answers file, no 
 
 
 def lm_drafters(drafters: list[str]) -> list[str]:
+    """The pool's `lm:` drafters: those `hf-assisted` can take as its assistant."""
     return [d for d in drafters if d.startswith("lm:")]
 
 
 def default_methods(drafters: list[str]) -> list[str]:
+    """Every method that applies to this drafter pool: `ar`, the transformers anchors, each fixed drafter, the
+    policies and the oracles."""
     hf = ["hf-ar", "hf-pld"] + (["hf-assisted"] if lm_drafters(drafters) else [])
     return ["ar", *hf, *(f"fixed:{d}" for d in drafters), *POLICIES, *ORACLES]
 
@@ -82,10 +85,12 @@ def is_engine_method(method: str) -> bool:
 
 
 def uses_drafters(method: str) -> bool:
+    """Runs through metasd's Decoder with drafters: every engine method but `ar`."""
     return is_engine_method(method) and method != "ar"
 
 
 def is_policy(method: str) -> bool:
+    """A policy picks its drafter each round (whatever its parameters)."""
     return method.partition(":")[0] in POLICIES
 
 

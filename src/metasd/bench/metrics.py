@@ -23,6 +23,7 @@ def question_speed(new_tokens: Sequence[int], wall_times: Sequence[float]) -> fl
 
 
 def mean_speed(speeds: Sequence[float]) -> float:
+    """A method's tokens per second on a set of questions: the mean of its question speeds."""
     if not len(speeds):
         raise ValueError("no question speeds to average")
     return float(np.mean(speeds))

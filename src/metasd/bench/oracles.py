@@ -35,6 +35,7 @@ def draft_budget(pos: int, draft_len: int, max_new_tokens: int) -> int:
 
 
 def matching_prefix(draft: Sequence[int], reference: Sequence[int]) -> int:
+    """How many leading tokens of `draft` equal the reference's: what greedy verification accepts of it."""
     n = 0
     for a, b in zip(draft, reference, strict=False):
         if a != b:
@@ -45,6 +46,9 @@ def matching_prefix(draft: Sequence[int], reference: Sequence[int]) -> int:
 
 @dataclass
 class AcceptanceTable:
+    """For one question's reference: what each drafter would have had accepted at each output position, how many
+    tokens could be drafted there, and what each drafter's draft costs in seconds."""
+
     accepted: np.ndarray  # [len(reference), n_drafters] int: accepted tokens if drafter d drafts at position pos
     budgets: np.ndarray  # [len(reference)] int: most tokens draftable at each position (0 = no drafting there)
     draft_seconds: np.ndarray  # [n_drafters] measured seconds per drafted token (model) or per proposal (model-free)
@@ -52,12 +56,15 @@ class AcceptanceTable:
 
     @property
     def positions(self) -> int:
+        """The output positions the table covers: the reference's length."""
         return int(self.accepted.shape[0])
 
     def cost_order(self) -> list[int]:
+        """The drafters' indices, cheapest draft first (ties in index order)."""
         return [int(i) for i in np.argsort(self.draft_seconds, kind="stable")]
 
     def draft_cost(self, arm: int, k: int) -> float:
+        """Seconds drafter `arm` takes to draft `k` tokens: per token for a model drafter, per proposal otherwise."""
         per_token = self.per_token is not None and bool(self.per_token[arm])
         return float(self.draft_seconds[arm]) * (k if per_token else 1)
 
@@ -142,16 +149,20 @@ def oracle_plan(table: AcceptanceTable, step_seconds: Sequence[float], overhead:
 
 @dataclass
 class OraclePath:
+    """The oracle's walk through the reference: each round's start position, drafter and accepted tokens."""
+
     positions: list[int]
     arms: list[int | None]  # None: a round without drafting (k = 0)
     accepted: list[int]
 
     @property
     def rounds(self) -> int:
+        """The rounds (target forwards) the walk takes."""
         return len(self.arms)
 
     @property
     def mean_accepted_tokens(self) -> float:
+        """Tokens per target forward along the walk (accepted + 1)."""
         return float(np.mean([a + 1 for a in self.accepted])) if self.accepted else 0.0
 
 
@@ -170,15 +181,19 @@ def oracle_path(plan: Sequence[Step]) -> OraclePath:
 
 @dataclass
 class Regret:
+    """A run's regret in accepted tokens, round by round, and the rounds where the engine and the table disagree."""
+
     per_round: list[int]  # best accepted length at the round's position minus the chosen drafter's
     disagreements: int  # rounds where the engine's logged acceptance differs from the table's (float numerics)
 
     @property
     def total(self) -> int:
+        """The run's regret: accepted tokens lost to its choices over all rounds."""
         return int(sum(self.per_round))
 
     @property
     def cumulative(self) -> list[int]:
+        """The regret after each round, summed from the first."""
         return [int(x) for x in np.cumsum(self.per_round)] if self.per_round else []
 
 

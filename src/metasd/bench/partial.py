@@ -57,6 +57,7 @@ class PartialStore:
         meta.write_text(json.dumps(fingerprint, indent=2) + "\n", encoding="utf-8")
 
     def load(self) -> dict[int, QuestionResult]:
+        """The stored results by question id; a torn or foreign file is skipped (that question is measured again)."""
         out = {}
         for path in self.dir.glob("q*.pkl"):
             try:
@@ -68,13 +69,16 @@ class PartialStore:
         return out
 
     def save_info(self, info: dict) -> None:
+        """Store the run's record of its workers (workers.json)."""
         (self.dir / "workers.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
     def load_info(self) -> dict | None:
+        """The stored record of the workers, or None when there is none."""
         path = self.dir / "workers.json"
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
     def save(self, result: QuestionResult) -> None:
+        """Store a finished question's result, atomically (a temporary file renamed into place)."""
         path = self.dir / f"q{result.question.question_id}.pkl"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))

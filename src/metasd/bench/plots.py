@@ -21,6 +21,7 @@ PALETTE = [to_hex(c) for c in (*colormaps["tab20"].colors[::2], *colormaps["tab2
 
 
 def color(i: int) -> str:
+    """The `i`-th line's colour, repeating after the palette's 20."""
     return PALETTE[i % len(PALETTE)]
 
 

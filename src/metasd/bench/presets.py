@@ -39,6 +39,7 @@ HEADS_SCRIPT = "scripts/train_domain_heads.sh"
 
 
 def default_models_dir() -> Path:
+    """Where presets look for model files: $METASD_MODELS, else ~/.cache/metasd-models."""
     return Path(os.environ.get("METASD_MODELS", "~/.cache/metasd-models")).expanduser()
 
 

@@ -24,12 +24,15 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Question:
+    """A benchmark question: its id, its category and its user turns, asked in order."""
+
     question_id: int
     category: str
     turns: tuple[str, ...]
 
     @property
     def group(self) -> str:
+        """The Spec-Bench task group the question is reported under."""
         return group_of(self.category)
 
 

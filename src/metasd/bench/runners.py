@@ -21,6 +21,9 @@ from .questions import Question
 
 @dataclass
 class TurnRecord:
+    """One turn as a method answered it: the prompt and generated ids, the text, the wall time in seconds, the
+    tokens gained per target forward, and the engine's round log where there is one."""
+
     prompt_ids: list[int]
     token_ids: list[int]
     text: str
@@ -31,20 +34,25 @@ class TurnRecord:
 
     @property
     def new_tokens(self) -> int:
+        """The tokens the turn generated."""
         return len(self.token_ids)
 
 
 @dataclass
 class QuestionRecord:
+    """A question as a method answered it: a record per turn."""
+
     question: Question
     turns: list[TurnRecord] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
+        """The tokens generated over all turns."""
         return sum(t.new_tokens for t in self.turns)
 
     @property
     def wall_time(self) -> float:
+        """Seconds over all turns."""
         return sum(t.wall_time for t in self.turns)
 
 

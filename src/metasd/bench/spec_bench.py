@@ -29,6 +29,7 @@ TIMEOUT_S = 30.0
 
 
 def cached_path() -> Path:
+    """Where the downloaded question.jsonl is kept, under metasd's cache directory."""
     return cache_dir() / "spec_bench" / "question.jsonl"
 
 

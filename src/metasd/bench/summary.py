@@ -122,6 +122,8 @@ def summarize(
     paths: dict[int, list[OraclePath]],
     config: dict,
 ) -> dict:
+    """The run's `summary.json`: per method its speed, speedup over `ar` and acceptance overall and per group, its
+    regret against the oracles' tables and paths, and every output that differs from `ar`'s."""
     groups = [g for g in GROUPS if any(q.group == g for q in questions)]
     groups += [g for g in dict.fromkeys(q.group for q in questions) if g not in GROUPS]  # e.g. the drift kinds
     by_group = {g: [q for q in questions if q.group == g] for g in groups}

@@ -10,6 +10,7 @@ from . import bench, calibrate, distill, generate, index, serve, serve_bench, tr
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `metasd` command on `argv` (default: the process's arguments); returns the exit status."""
     parser = argparse.ArgumentParser(prog="metasd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (generate, serve, calibrate, bench, serve_bench, index, distill, train_eagle):

@@ -23,6 +23,7 @@ def _list(text: str) -> list[str]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The `metasd bench` subcommand's arguments."""
     p = sub.add_parser(
         "bench",
         help="Spec-Bench speed benchmark: every method side by side, oracles, report and plots",
@@ -173,6 +174,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run `metasd bench` with the parsed arguments."""
     from ..bench.presets import preset
     from ..bench.run import BenchConfig, run_bench
     from ..bench.spec_bench import spec_bench_questions

@@ -8,6 +8,7 @@ from .args import add_device_args, add_model_args, set_threads
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The `metasd calibrate` subcommand's arguments."""
     cal = sub.add_parser("calibrate", help="measure T(M), the target's forward time for M new tokens, and cache it")
     cal.add_argument("--max-tokens", type=int, default=13, help="largest M (default: %(default)s)")
     cal.add_argument("--refresh", action="store_true", help="measure again even if the cache has this machine's table")
@@ -17,6 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run `metasd calibrate` with the parsed arguments."""
     if not 1 <= args.max_tokens <= 256:
         raise ValueError(f"--max-tokens must be in 1..256, got {args.max_tokens}")
     set_threads(args.threads)

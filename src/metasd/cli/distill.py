@@ -10,6 +10,7 @@ from .args import add_target_arg, set_threads
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The `metasd distill` subcommand's arguments."""
     p = sub.add_parser("distill", help="train a small drafter on the target's own greedy answers (lm:DIR loads it)")
     add_target_arg(p, use="the target whose answers the drafter learns: ")
     p.add_argument("--prompts", required=True, help='JSONL prompts: "prompt", "turns", "messages" or "conversations"')
@@ -40,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run `metasd distill` with the parsed arguments."""
     set_threads(args.threads)
     report = distill(
         args.target,

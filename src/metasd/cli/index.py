@@ -11,6 +11,7 @@ from .args import add_target_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The `metasd index` subcommand's arguments."""
     p = sub.add_parser("index", help="build a datastore (token suffix array) from corpora for the datastore: drafter")
     p.add_argument("corpora", nargs="+", metavar="CORPUS", help="text / JSONL / JSON files or source directories")
     p.add_argument("--out", required=True, help="index directory to write (tokens.npy, sa.npy, header.json)")
@@ -41,6 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run `metasd index` with the parsed arguments."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     include, exclude = tuple(args.include or DEFAULT_INCLUDE), tuple(args.exclude or DEFAULT_EXCLUDE)
     if args.depth < 1:

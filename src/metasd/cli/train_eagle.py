@@ -11,6 +11,7 @@ from .args import add_target_arg, set_threads
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The `metasd train-eagle` subcommand's arguments."""
     p = sub.add_parser("train-eagle", help="train an EAGLE head that drafts from the target's features (eagle:DIR)")
     add_target_arg(p, use="the target the head drafts for: ")
     p.add_argument("--dtype", default="float32", help="the target's dtype while writing the corpus and training")
@@ -99,6 +100,7 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run `metasd train-eagle` with the parsed arguments."""
     from ..models.loading import load_model
 
     set_threads(args.threads)

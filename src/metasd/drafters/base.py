@@ -34,7 +34,9 @@ class StoppableDrafter(Protocol):
 
     def propose_until(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None, stop: StopRule
-    ) -> Draft: ...
+    ) -> Draft:
+        """Up to k tokens, as `propose` drafts them, ended early where `stop` says so."""
+        ...
 
 
 class Drafter:
@@ -142,6 +144,7 @@ class AutoregressiveDrafter(Drafter):
         generator: torch.Generator | None,
         stop: StopRule | None,
     ) -> Draft:
+        """Up to k tokens from `next_q`, ended early where `stop` says so (`draft_autoregressively`)."""
         next_q = self.next_q(context, params)
         if next_q is None:
             return Draft([], None, [], 0)

@@ -119,9 +119,12 @@ class Datastore:
 
     @property
     def tokenizer_sha256(self) -> str:
+        """The fingerprint of the tokenizer the corpus was tokenized with."""
         return self.header["tokenizer"]["sha256"]
 
     def check_tokenizer(self, tokenizer, target: str = "the target") -> None:
+        """Refuse (ValueError) a `tokenizer` other than the one the index was built with: its token ids would mean
+        other strings. `target` names the model in the message."""
         theirs = tokenizer_fingerprint(tokenizer)
         if theirs != self.tokenizer_sha256:
             built = self.header["tokenizer"]
@@ -220,6 +223,7 @@ class Datastore:
         return Lookup(drafted, length, matches, counts)
 
     def close(self) -> None:
+        """Unmap and close the index files (a map still viewed elsewhere is left to the OS)."""
         self._sa_ints = []
         for m in self._maps:
             with contextlib.suppress(BufferError):  # a view is still alive somewhere; the OS unmaps at exit
@@ -229,6 +233,7 @@ class Datastore:
 
 
 def read_header(path: Path) -> dict:
+    """The index directory's header.json, validated (ValueError naming what to rebuild otherwise)."""
     head = path / "header.json"
     if not path.is_dir() or not head.is_file():
         raise ValueError(f"datastore {path}: not an index directory (no header.json); build one with `metasd index`")

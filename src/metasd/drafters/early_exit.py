@@ -28,6 +28,8 @@ def truncated_config(config, layers: int, what: str = "early-exit needs L"):
 
 
 def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """`model` cut to its first `layers` decoder layers: a shallow copy sharing the target's parameter tensors, with
+    a config of its own (and so a KV cache of its own)."""
     config = truncated_config(model.config, layers)
     shallow = copy.copy(model)
     shallow._modules = dict(model._modules)
@@ -39,5 +41,8 @@ def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
 
 
 class EarlyExitDrafter(ModelDrafter):
+    """LayerSkip's self-speculative drafter (Elhoushi et al., arXiv 2404.16710): the target's first `layers`
+    layers, final norm and LM head, drafting with a KV cache of their own."""
+
     def __init__(self, model: torch.nn.Module, layers: int, vocab_size: int):
         super().__init__(truncated(model, layers), name=f"early-exit:{layers}", vocab_size=vocab_size)

@@ -14,6 +14,9 @@ from .base import Drafter
 
 
 class NgramDrafter(Drafter):
+    """Prompt lookup decoding (Saxena 2023): copies what followed the latest earlier occurrence of the context's
+    last n tokens, the longest n from `max_ngram` down to `min_ngram` that occurs; a free drafter."""
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min <= max, got min={min_ngram} max={max_ngram}")

@@ -29,6 +29,9 @@ SHARED = ""  # the key of the default, process-wide history
 
 
 class SuffixIndex:
+    """Counts of the token that follows each run of up to `depth` tokens: the frequency index SuffixDecoding's
+    suffix trees stand for (Oliaro et al., arXiv 2411.04975)."""
+
     def __init__(self, depth: int):
         self.depth = depth
         self.next: defaultdict[tuple[int, ...], Counter[int]] = defaultdict(Counter)
@@ -84,6 +87,9 @@ class _History:
 
 
 class SuffixDrafter(Drafter):
+    """SuffixDecoding's drafter (Oliaro et al., arXiv 2411.04975) as one path: token by token, the most frequent
+    continuation of the longest suffix found in this request's index or in the history of earlier outputs."""
+
     learns_across_requests = True  # `end` indexes the output into the history
 
     def __init__(

@@ -31,6 +31,9 @@ _SAMPLE = (8, 8)  # rows x columns of the target's embedding stored as its finge
 
 @dataclass(frozen=True)
 class HeadConfig:
+    """An EAGLE head's shape: the target's width and attention layout, its draft vocabulary size and the decoder
+    layers whose outputs it fuses (EAGLE-3)."""
+
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -54,6 +57,7 @@ class TargetCheck:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> TargetCheck:
+        """The check of `model`: its type, sizes and a sample of its input embeddings."""
         embed = model.get_input_embeddings().weight
         rows, cols = _SAMPLE
         return cls(
@@ -64,6 +68,7 @@ class TargetCheck:
         )
 
     def mismatch(self, other: TargetCheck) -> str | None:
+        """What differs between the model a head was trained for and `other` (None: the same model)."""
         for name in ("model_type", "hidden_size", "vocab_size"):
             if getattr(self, name) != getattr(other, name):
                 return f"{name} {getattr(self, name)!r} != {getattr(other, name)!r}"
@@ -90,6 +95,10 @@ def head_config_for(model: torch.nn.Module, draft_vocab_size: int, feature_layer
 
 
 class EagleHead(torch.nn.Module):
+    """An EAGLE head (Li et al., arXiv 2401.15077): one decoder layer over (feature of position i, embedding of
+    token i + 1) predicting the feature of position i + 1; with fused features, EAGLE-3's fusion of several layers'
+    outputs first."""
+
     def __init__(self, config: HeadConfig, draft_vocab: torch.Tensor):
         super().__init__()
         if draft_vocab.shape != (config.draft_vocab_size,):
@@ -157,6 +166,9 @@ class EagleHead(torch.nn.Module):
 
 @dataclass
 class SavedHead:
+    """A head read from its directory: the head, the target it was trained for, that target's check, and its
+    training record."""
+
     head: EagleHead
     target: str  # the spec it was trained for (informative; the check decides)
     check: TargetCheck

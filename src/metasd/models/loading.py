@@ -47,14 +47,17 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        """The device the model's weights are on."""
         return next(self.model.parameters()).device
 
     @property
     def vocab_size(self) -> int:
+        """The rows of the model's LM head: the vocabulary its logits cover."""
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
     def max_length(self) -> int:
+        """The longest context in tokens metasd decodes the model within (`context_length`)."""
         return context_length(self.model.config)
 
     @property

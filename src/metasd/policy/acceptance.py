@@ -35,6 +35,8 @@ _SPREAD_REQUESTS = 50  # earlier requests it is estimated from
 
 
 def signal_levels(confidence: Sequence[float] | None, m: int) -> np.ndarray:
+    """[m] the signal level of each token of an m-token draft: its confidence in [0, 1] binned into SIGNAL_LEVELS
+    equal bins, or level SIGNAL_LEVELS for a token without one (no `confidence`, or NaN)."""
     if confidence is None:
         return np.full(m, SIGNAL_LEVELS, dtype=np.int64)
     c = np.asarray(confidence[:m], dtype=float)
@@ -58,19 +60,27 @@ class Tables:
 
     @property
     def rows(self) -> int:
+        """The acceptance model's rows: three tables of a row per drafter."""
         return 3 * self.n_arms
 
     def main(self, arm: int) -> int:
+        """The row of drafter `arm`'s own drafts."""
         return arm
 
     def continuation(self, arm: int) -> int:
+        """The row of free drafter `arm`'s proposals continuing a model's draft."""
         return self.n_arms + arm
 
     def runner_up(self, arm: int) -> int:
+        """The row of model drafter `arm`'s second choices where its token was rejected."""
         return 2 * self.n_arms + arm
 
 
 class AcceptanceModel:
+    """Per-row (`Tables`) counts of accepted and tried drafted tokens by signal level and position, for this
+    request and for the history across requests; `rates` turns them into conditional acceptance estimates,
+    each shrunk toward its position mean (the module docstring says how and why)."""
+
     def __init__(self, n_arms: int, prior_weight: float = 20.0, gamma: float = 1.0, spread: bool = False):
         shape = (n_arms, SIGNAL_LEVELS + 1, POSITIONS)
         self.prior_weight = prior_weight

@@ -24,10 +24,12 @@ from ..draft import Draft
 from ..drafters.base import StopRule
 from ..outcome import RoundOutcome
 from ..tree import DraftTree
+from . import branching
 from .acceptance import AcceptanceModel, Tables, expected_tokens
 from .base import Learned
 from .hindsight import Hindsight
 from .stop_rule import DraftStop, net_gains
+from .usage import PrefillUsage
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,6 @@ class Option:
 
 
 DEFAULTS = {"beta": 0.3, "prior": 0.0, "gamma": 1.0, "max": 12, "spread": 1, "extend": 0, "tree": 0}
-_USAGE_PRIOR = 1.0  # pseudo-requests at full usage behind `AdaptivePolicy._usage`
 _BOUNDS = {
     "beta": (0.0, 10.0),
     "prior": (0.0, 1e6),
@@ -99,6 +100,7 @@ def parse_params(param: str) -> dict[str, float]:
 
 
 def canonical(params: dict[str, float]) -> str:
+    """The policy's name with every parameter spelled out, in `DEFAULTS` order: one name per configuration."""
     return "metasd-adaptive:" + ",".join(f"{k}={params[k]:g}" for k in DEFAULTS)
 
 
@@ -108,8 +110,9 @@ class AdaptivePolicy(Learned):
     Free drafters propose every round and are judged in hindsight (no exploration); model drafters are planned from
     position means with an optimism bonus, reach one position past those tried (`explored_length`), and are ended
     token by token by `DraftStop`; a model drafter's prompt intake is charged by the share of the output it is
-    expected to yield (`_usage`). `extend=1` lets a free drafter continue a model's draft (`extension`); `tree=1`
-    verifies other proposals and runners-up as branches of one tree (`branches`), `tree=2` every proposal whole.
+    expected to yield (`usage.PrefillUsage`). `extend=1` lets a free drafter continue a model's draft
+    (`extension`); `tree=1` verifies other proposals and runners-up as branches of one tree (`branches`), `tree=2`
+    every proposal whole.
     Parameters: `beta` (optimism bonus), `spread` (history weighted per drafter by its spread across requests) or
     `prior` (a cap on history), `gamma` (forgetting within a request), `max` (longest draft). Why each piece is as
     it is: docs/decisions.md ("metasd-adaptive, piece by piece").
@@ -152,12 +155,7 @@ class AdaptivePolicy(Learned):
         self.mean_rewards = [0.0] * n_arms
         self.rounds = 0
         self.bar = 0.0
-        # per model drafter, across requests: the share of a request's output, from its first draft on, that came
-        # from its rounds (what its prompt prefill is amortised over), as a mean shrunk toward 1 (`_usage`)
-        self.usage_sum = [0.0] * n_arms
-        self.usage_count = [0] * n_arms
-        self._since_start: list[float | None] = [None] * n_arms  # this request: tokens since its first draft
-        self._yielded = [0.0] * n_arms  # and tokens its own rounds emitted
+        self.usage = PrefillUsage(n_arms)  # what a model drafter's prompt prefill is amortised over
 
     def attach(
         self,
@@ -189,6 +187,8 @@ class AdaptivePolicy(Learned):
     # --- choosing --------------------------------------------------------------------------------------------------
 
     def bonus(self, arm: int) -> float:
+        """The optimism bonus added to drafter `arm`'s acceptance rates: UCB-style (Auer et al. 2002), scaled by
+        `beta`, shrinking as the request's evidence on the drafter grows."""
         return self.beta * math.sqrt(2.0 * math.log(self.rounds + 2) / (1.0 + self.acceptance.evidence(arm)))
 
     def choose(
@@ -283,7 +283,7 @@ class AdaptivePolicy(Learned):
                 # investment in the tokens it will yield, charged in proportion to this round's share of them:
                 # of the request's remaining tokens, the share its rounds took in earlier requests once started. A
                 # long prompt with a short answer, or a drafter that is started and then rarely drafts, rules it out.
-                charge = catch_up * np.minimum(1.0, gain / (remaining * self._usage(arm)))
+                charge = catch_up * np.minimum(1.0, gain / (remaining * self.usage.share(arm)))
             out.append((gain, steps + charge))
         (gain, draft), (expected_gain, expected_draft) = out
         return Option(arm, gain, draft, expected_gain, expected_draft)
@@ -320,44 +320,15 @@ class AdaptivePolicy(Learned):
 
     def branches(self, tree: DraftTree, proposals: Mapping[int, Draft], max_nodes: int) -> list[tuple[int, Draft]]:
         """Branches to verify beside the chosen draft (the tree's one branch), as (drafter, draft): the other free
-        drafters' proposals, each cut where it stops paying, and a model draft's runners-up (its second choice at
-        token j, a sibling of token j). Greedy by net gain: a new node is worth the chance that its path is
-        accepted, its parent's reach times its own acceptance (from the drafter's rate at its signal and depth,
-        capped by what the parent's other children leave), against the extra verification T(M + e) - T(M) at the
-        round's bar (`net_gains`). `tree=2` adds every free proposal whole instead, runners-up left out."""
+        drafters' proposals and a model draft's runners-up (its second choice at token j, a sibling of token j),
+        each cut where it stops paying at the round's bar (`branching.grow`); `tree=2` adds every free proposal
+        whole instead, runners-up left out (`branching.whole`)."""
         main = tree.branches[0]
-        offers = [(a, d, self._rates(a, d)) for a, d in proposals.items() if d.tokens and a != main.arm]
+        others = [(a, d) for a, d in proposals.items() if d.tokens and a != main.arm]
         if self.trees == 2:
-            tree, out = tree.copy(), []
-            for arm, draft, _ in offers:
-                n = _fitting(tree, draft.tokens, max_nodes - tree.size)
-                if n and tree.new_nodes(draft.tokens[:n]):
-                    out.append((arm, draft.truncated(n)))
-                    tree.add(*out[-1])
-            return out
-        offers += self._runners_up(main.arm, main.draft)
-        costs = self.cost_model()
-        reach: list[float] = []  # per node: the chance that its path is accepted
-        taken: dict[int, float] = {}  # per node (-1: the root): the acceptance its children already claim
-        self._claim(tree, main.draft.tokens, self._rates(main.arm, main.draft), reach, taken)
-        tree, out = tree.copy(), []
-        while offers:
-            size, best = tree.size, (0.0, -1, 0)
-            for i, (_, draft, rates) in enumerate(offers):
-                start, own, shared = _new_nodes(tree, draft.tokens, rates, reach, taken, max_nodes - size)
-                if len(own):
-                    verify = np.array([costs.target(size + 1 + e) for e in range(len(own) + 1)])
-                    net = net_gains(start, own, verify[1:] - verify[0], self.bar)
-                    e = int(np.argmax(net))
-                    if net[e] > best[0]:
-                        best = (float(net[e]), i, shared + e + 1)
-            if best[1] < 0:
-                break
-            arm, draft, rates = offers.pop(best[1])
-            out.append((arm, draft.truncated(best[2])))
-            tree.add(arm, out[-1][1])
-            self._claim(tree, out[-1][1].tokens, rates, reach, taken)
-        return out
+            return branching.whole(tree, others, max_nodes)
+        offers = [(a, d, self._rates(a, d)) for a, d in others] + self._runners_up(main.arm, main.draft)
+        return branching.grow(tree, self._rates(main.arm, main.draft), offers, self.cost_model(), self.bar, max_nodes)
 
     def _rates(self, arm: int | None, draft: Draft) -> np.ndarray:
         if arm is None:
@@ -376,18 +347,6 @@ class AdaptivePolicy(Learned):
                 own = (1.0 - rates[j]) * self.acceptance.rate_at(self.tables.runner_up(arm), prob, j)
                 out.append((arm, Draft([*draft.tokens[:j], token]), np.append(rates[:j], own)))
         return out
-
-    @staticmethod
-    def _claim(tree: DraftTree, tokens: list[int], rates: np.ndarray, reach: list[float], taken: dict) -> None:
-        """Record the reach of the nodes a branch with these tokens (already in the tree) added, in node order."""
-        parent = -1
-        for token, rate in zip(tokens, rates[: len(tokens)], strict=True):
-            node = tree.child(parent, token)
-            if node >= len(reach):
-                own = min(float(rate), max(0.0, 1.0 - taken.get(parent, 0.0)))
-                reach.append((reach[parent] if parent >= 0 else 1.0) * own)
-                taken[parent] = taken.get(parent, 0.0) + own
-            parent = node
 
     # --- learning --------------------------------------------------------------------------------------------------
 
@@ -417,63 +376,21 @@ class AdaptivePolicy(Learned):
         if arm is not None:
             self.pulls[arm] += 1
             self.mean_rewards[arm] += (score - self.mean_rewards[arm]) / self.pulls[arm]
-        self._count_usage(arm, len(outcome.context) - outcome.start)
+        self.usage.count(arm, len(outcome.context) - outcome.start, model=arm is not None and not self.free[arm])
         return score
 
     def finish(self, context: list[int]) -> None:
         """The request ended: judge the proposals still waiting on as much output as there is, and record the
         share of its output each started model drafter's rounds yielded."""
         self._resolve(context, final=True)
-        for arm, since in enumerate(self._since_start):
-            if since:
-                self.usage_sum[arm] += self._yielded[arm] / since
-                self.usage_count[arm] += 1
-        self._since_start = [None] * self.n_arms
-        self._yielded = [0.0] * self.n_arms
-
-    def _count_usage(self, arm: int | None, tokens: int) -> None:
-        for a, since in enumerate(self._since_start):
-            if since is not None:
-                self._since_start[a] = since + tokens
-        if arm is not None and not self.free[arm]:
-            if self._since_start[arm] is None:
-                self._since_start[arm] = tokens
-            self._yielded[arm] += tokens
-
-    def _usage(self, arm: int) -> float:
-        """The expected share of a request's output a model drafter yields once started: the mean over earlier
-        requests with one pseudo-request at 1 (so an unknown drafter is priced as if it would yield everything,
-        and a single poor request does not shut it out of the next)."""
-        return (self.usage_sum[arm] + _USAGE_PRIOR) / (self.usage_count[arm] + _USAGE_PRIOR)
+        self.usage.finish()
 
     def _resolve(self, context: list[int], final: bool) -> None:
         for d in self.hindsight.resolve(context, final):
             self.acceptance.learn(d.pending.arm, d.pending.info, d.matched, d.decided)
 
     def cost_model(self) -> CostModel:
+        """The machine's cost model that `attach` handed over (an error before it has)."""
         if self.costs is None:
             raise RuntimeError("metasd-adaptive needs the engine's cost model: call attach() first")
         return self.costs
-
-
-def _new_nodes(
-    tree: DraftTree, tokens: list[int], rates: np.ndarray, reach: list[float], taken: dict, room: int
-) -> tuple[float, np.ndarray, int]:
-    """What a branch with these tokens (conditional acceptance `rates`) would add: the reach of the node it leaves
-    the tree from, the acceptance of each new node (at most `room`; the first capped by what its siblings claim),
-    and how many of its tokens the tree already holds (a shared prefix)."""
-    parent, shared = -1, 0
-    while shared < len(tokens) and (node := tree.child(parent, tokens[shared])) is not None:
-        parent, shared = node, shared + 1
-    own = np.array(rates[shared : shared + max(room, 0)], dtype=float)
-    if len(own):
-        own[0] = min(own[0], max(0.0, 1.0 - taken.get(parent, 0.0)))
-    return (reach[parent] if parent >= 0 else 1.0), own, shared
-
-
-def _fitting(tree: DraftTree, tokens: list[int], room: int) -> int:
-    """The most of `tokens` whose new nodes fit in `room` more nodes."""
-    n = len(tokens)
-    while n and tree.new_nodes(tokens[:n]) > room:
-        n -= 1
-    return n

@@ -131,6 +131,7 @@ class EXP3(ArmStats):
         self._log_w = np.zeros(self.n_arms)  # log-weights: each update adds at most 1, and max is subtracted before exp
 
     def probabilities(self) -> np.ndarray:
+        """[n_arms] the chance of picking each arm: the exponential weights mixed with a uniform share gamma."""
         w = np.exp(self._log_w - self._log_w.max())
         return (1.0 - self.gamma) * w / w.sum() + self.gamma / self.n_arms
 
@@ -164,6 +165,7 @@ class SequentialHalving(ArmStats):
         self._start_phase()
 
     def survivors(self) -> list[int]:
+        """The arms still in the running, in index order (one once it has committed)."""
         return list(self._survivors)
 
     def _start_phase(self) -> None:

@@ -53,7 +53,9 @@ class Policy(Protocol):
         take in before drafting (its prompt when fresh: it has not drafted in this request yet); remaining: the
         tokens the request may still generate."""
 
-    def stop_rule(self, arm: int, k: int) -> StopRule | None: ...
+    def stop_rule(self, arm: int, k: int) -> StopRule | None:
+        """How model drafter `arm`, sent out for up to `k` tokens, ends its draft early (None: it drafts them all)."""
+
     def extension(self, arm: int, draft: Draft, proposals: Mapping[int, Draft]) -> tuple[int, int] | None:
         """After model drafter `arm` drafted: which free drafter's proposal for the context extended by the draft
         to append, and how many of its tokens (None: none). Asked only of policies with `extends`."""
@@ -62,9 +64,16 @@ class Policy(Protocol):
         """Branches (drafter, deterministic draft) to join the round's tree, which holds the chosen draft; the tree
         stays within max_nodes. Asked only of policies with `grows_trees`."""
 
-    def feedback(self, outcome: RoundOutcome) -> float | None: ...
-    def finish(self, context: list[int]) -> None: ...  # the request ended with this context
-    def reset(self) -> None: ...
+    def feedback(self, outcome: RoundOutcome) -> float | None:
+        """Learn from a verified round; returns the reward the policy scored it with (None: it scored nothing, as
+        for a plain step), which the engine reports."""
+
+    def finish(self, context: list[int]) -> None:
+        """The request ended with `context`: judge the proposals still waiting on output by the output there is."""
+
+    def reset(self) -> None:
+        """Start a request: forget what was learned, or (`carries_over`) only what belongs to the last request."""
+
     def attach(
         self, costs: CostModel, names: Sequence[str], free: Sequence[bool], stoppable: Sequence[bool], regime: str
     ) -> None:
@@ -80,11 +89,20 @@ class Policy(Protocol):
     def set_bar(self, rate: float) -> None:
         """The rate a batch's round reached: what the round's later choices must beat."""
 
-    def snapshot(self) -> dict: ...  # `Learned`
-    def restore(self, snapshot: dict) -> None: ...
-    def for_request(self) -> Policy: ...
-    def copy_start(self) -> dict | None: ...
-    def take_back(self, copy: Policy, start: dict | None) -> None: ...
+    def snapshot(self) -> dict:
+        """Everything the policy learned, as a value (`Learned`)."""
+
+    def restore(self, snapshot: dict) -> None:
+        """Back to what `snapshot` holds."""
+
+    def for_request(self) -> Policy:
+        """A copy for one request among several in flight, starting from what this policy learned."""
+
+    def copy_start(self) -> dict | None:
+        """What `take_back` needs of this policy when a copy of it starts."""
+
+    def take_back(self, copy: Policy, start: dict | None) -> None:
+        """A request's copy ended: what it learned since `start` becomes this policy's."""
 
 
 class Learned:
@@ -154,6 +172,7 @@ class ArmStats(Learned):
 
     @property
     def wants_proposals(self) -> bool:
+        """Whether the engine asks every free drafter for a proposal each round: with full information only."""
         return self.full_information
 
     def reset(self) -> None:
@@ -215,6 +234,7 @@ class ArmStats(Learned):
         return self.select(), k
 
     def select(self) -> int:
+        """The arm (drafter index) to play this round: the bandit's own rule."""
         raise NotImplementedError
 
     def stop_rule(self, arm: int, k: int) -> StopRule | None:
@@ -266,6 +286,7 @@ class ArmStats(Learned):
             )
 
     def update(self, arm: int, reward: float) -> None:
+        """Learn the reward in [0, 1] that the played `arm` earned this round."""
         self._record(arm, reward)
 
     def observe(self, arm: int, reward: float) -> None:

@@ -17,6 +17,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Pending:
+    """A proposal waiting for the output to decide it: drafter `arm`'s `tokens`, proposed at output position
+    `start`."""
+
     arm: int
     start: int  # context length when proposed: the output position of its first token
     tokens: list[int]
@@ -25,19 +28,26 @@ class Pending:
 
 @dataclass(frozen=True)
 class Decided:
+    """A proposal the output has decided: how many of its leading tokens matched, and how many positions are known."""
+
     pending: Pending
     matched: int  # leading tokens equal to the output
     decided: int  # positions whose fate is known (a mismatch decides everything after it too)
 
 
 class Hindsight:
+    """The proposals of one request still waiting for the output to decide them."""
+
     def __init__(self) -> None:
         self.pending: list[Pending] = []
 
     def clear(self) -> None:
+        """Forget every waiting proposal (a request starts)."""
         self.pending = []
 
     def add(self, arm: int, start: int, tokens: list[int], info: Any = None) -> None:
+        """Wait on drafter `arm`'s `tokens` proposed at output position `start` (an empty proposal is dropped);
+        `info` comes back with its verdict."""
         if tokens:
             self.pending.append(Pending(arm, start, list(tokens), info))
 

@@ -45,6 +45,7 @@ def block_divergence(
 
 
 def block_efficiency(accepted: int, k: int) -> float:
+    """The share of the k requested positions the round accepted (MetaSD's baseline reward; 0 for k = 0)."""
     return accepted / k if k > 0 else 0.0
 
 

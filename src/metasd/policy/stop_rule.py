@@ -49,6 +49,7 @@ class DraftStop:
         return bool(np.max(net_gains(self.reach, rates, times, self.rate)) > 0)
 
     def before(self, j: int, q) -> bool:
+        """Stop before drawing token j? Its rate is read from q_j's confidence; token 0 is always sent."""
         a_j = min(self.acceptance.rate_at(self.arm, float(q.max()), j) + self.bonus, 1.0)
         # token 0: the plan paid for its forward, and sending it is also how the drafter is learned
         stop = j > 0 and not self._worth_going_on(j, np.concatenate([[a_j], self.later[j + 1 :]]), True)
@@ -57,4 +58,5 @@ class DraftStop:
         return stop
 
     def after(self, j: int, q, token: int) -> bool:
+        """Stop after token j? Yes when no further tokens, priced at the plan's rates, are worth their time."""
         return not self._worth_going_on(j + 1, self.later[j + 1 :], False)

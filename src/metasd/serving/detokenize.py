@@ -11,6 +11,9 @@ from collections.abc import Callable, Sequence
 
 
 class IncrementalText:
+    """Text of a growing token list, emitted as it becomes final (a token that may still merge with the next
+    waits), as a stream needs it."""
+
     def __init__(self, decode: Callable[[Sequence[int]], str]):
         self._decode = decode
         self.text = ""

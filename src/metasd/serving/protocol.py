@@ -88,6 +88,8 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
+    """The body of /v1/completions (OpenAI's fields metasd serves; others are refused)."""
+
     prompt: str | list[int]  # raw text (no chat template) or token ids
 
 
@@ -106,6 +108,8 @@ class _Message(BaseModel):
 
 
 class ChatRequest(_Request):
+    """The body of /v1/chat/completions (OpenAI's fields metasd serves; others are refused)."""
+
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
 

@@ -125,6 +125,7 @@ class PolicyHub:
 
     @property
     def totals(self) -> dict:
+        """The statistics every replica sent so far, summed."""
         return {key: pool.total() for key, pool in self.pools.items()}
 
     def snapshot(self) -> dict:
@@ -156,6 +157,7 @@ class PolicySync:
         self.syncs = 0
 
     def maybe_sync(self) -> None:
+        """Sync with the hub if `every` requests ended since the last sync."""
         if time.monotonic() - self.last >= self.interval_s:
             try:
                 self.sync()
@@ -164,6 +166,7 @@ class PolicySync:
             self.last = time.monotonic()
 
     def sync(self) -> None:
+        """Send what this replica learned since the last sync and take in what the others sent."""
         live = {key: p for key, p in self.decoder.policies.items() if _shareable(p)}
         for key in [key for key, t in self.tracked.items() if live.get(key) is not t.policy]:
             del self.tracked[key]  # evicted from the decoder's cache: what it pushed stays pooled
@@ -257,6 +260,7 @@ class MetasdReplica:
         _holder()["app"] = self.metasd_app
 
     def check_health(self) -> None:
+        """Ray Serve's health check: raise once the decoding thread stopped."""
         if not self.metasd_app.state.engine.alive:
             raise RuntimeError("the engine thread stopped")
 

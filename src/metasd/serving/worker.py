@@ -129,6 +129,7 @@ class DecodingWorker:
 
     @property
     def running(self) -> int:
+        """Requests decoding now."""
         return len(self.batch)
 
     @property
@@ -165,6 +166,7 @@ class DecodingWorker:
                 self._left_queue()
 
     def submit(self, job: _Job) -> None:
+        """Queue a job for the decoding thread (429 when the queue is full, 503 once the thread stopped)."""
         with self._lock:
             if self._ended or not self.alive:  # a dead worker: answer now rather than queue a job nobody runs
                 raise self._unavailable()

@@ -60,6 +60,8 @@ def prompt_messages(record) -> list[dict] | None:
 
 
 def read_prompts(path: str | Path) -> list[list[dict]]:
+    """The chat prompts of a JSONL file, one per non-blank line (`prompt_messages`); ValueError naming the line
+    that has none."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as err:

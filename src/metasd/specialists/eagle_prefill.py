@@ -35,9 +35,11 @@ class PrefilledSequences:
         return PrefilledSequences(self.model, self.sequences[index], self.feature_layers)
 
     def tokens(self, i: int) -> torch.Tensor:
+        """Sequence i's tokens."""
         return self.sequences[i]
 
     def feature_width(self) -> int:
+        """Columns of a position's features: the fused layers' outputs and the final norm's."""
         return (len(self.feature_layers) + 1) * self.model.config.hidden_size
 
     @torch.no_grad()  # not inference_mode: the features are inputs of a training graph

@@ -36,6 +36,10 @@ _LEARNING_KEYS = ("step", "tokens_seen", "train_seconds", "final", "held_out")
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """How a head trains: epochs, peak learning rate, batch size in tokens, sequence length, draft vocabulary,
+    input noise, the loss weights, the training-time test's depth (`unroll`), fused layers, seed, bfloat16
+    autocast."""
+
     epochs: float = 2.0
     lr: float = 1e-3
     batch_tokens: int = 8192
@@ -59,9 +63,13 @@ class TrainingSequences(Protocol):
 
     def __getitem__(self, index: slice) -> TrainingSequences: ...
 
-    def tokens(self, i: int) -> torch.Tensor: ...
+    def tokens(self, i: int) -> torch.Tensor:
+        """Sequence i's tokens."""
+        ...
 
-    def feature_width(self) -> int: ...
+    def feature_width(self) -> int:
+        """Columns of a position's features: the fused layers' outputs and the final norm's."""
+        ...
 
     def stack(self, idx: list[int], max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded tokens [B, n] (long), features [B, n, D] (float32) and a mask of positions with a real
@@ -97,9 +105,11 @@ class StoredSequences:
         return StoredSequences(self.seqs[index], self.answers_only)
 
     def tokens(self, i: int) -> torch.Tensor:
+        """Sequence i's tokens."""
         return self.seqs[i].tokens
 
     def feature_width(self) -> int:
+        """Columns of a position's features."""
         return self.seqs[0].features.shape[1]
 
     def stack(self, idx: list[int], max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

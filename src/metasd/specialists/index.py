@@ -86,6 +86,8 @@ def load_tokenizer(spec: str | None):
 
 
 def corpus_files(paths: list[str], include: tuple[str, ...], exclude: tuple[str, ...]) -> list[Path]:
+    """The files to index: each path that is a file, and under each directory, in sorted order, the files whose
+    names match an `include` glob, skipping names and directories that match an `exclude` one."""
     out: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
