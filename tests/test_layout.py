@@ -48,7 +48,7 @@ def test_no_import_cycles():
 
 
 def test_the_engine_does_not_reach_up():
-    above = ("metasd.cli", "metasd.serving", "metasd.bench", "metasd.specialists")
+    above = ("metasd.cli", "metasd.serving", "metasd.bench", "metasd.specialists", "metasd.learning")
     for module in MODULES:
         if module.startswith(above) or module == "metasd":
             continue
@@ -78,7 +78,7 @@ LAYERS = [
     ("metasd.policy",),
     ("metasd.drafting", "metasd.engine"),  # one request's round
     ("metasd.batching",),  # many requests' rounds
-    ("metasd.hf", "metasd.specialists", "metasd.serving"),
+    ("metasd.hf", "metasd.specialists", "metasd.learning", "metasd.serving"),
     ("metasd.bench",),
     ("metasd.cli",),
     ("metasd",),  # the package's public names
@@ -107,3 +107,34 @@ def test_no_function_over_80_lines_and_no_module_over_500():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, long
+
+
+def test_public_classes_and_functions_have_docstrings():
+    """Every public class and module-level function says what it is; a public method does too, unless some class in
+    the package documents a method of the same name (an override need not repeat its base's or Protocol's docstring).
+    """
+    trees = {module: ast.parse(path.read_text()) for module, path in MODULES.items()}
+    documented = {
+        item.name
+        for tree in trees.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        for item in node.body
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(item) is not None
+    }
+    missing = []
+
+    def walk(module: str, nodes: list[ast.stmt], owner: str | None) -> None:
+        for node in nodes:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name[0] == "_":
+                continue
+            name = f"{owner}.{node.name}" if owner else node.name
+            method = owner is not None and not isinstance(node, ast.ClassDef)
+            if ast.get_docstring(node) is None and not (method and node.name in documented):
+                missing.append(f"{MODULES[module].relative_to(SRC.parent)}:{node.lineno} {name}")
+            if isinstance(node, ast.ClassDef):
+                walk(module, node.body, name)
+
+    for module, tree in sorted(trees.items()):
+        walk(module, tree.body, None)
+    assert not missing, f"{len(missing)} public names without a docstring:\n" + "\n".join(missing)

@@ -36,6 +36,20 @@ def test_prompt_file_gives_one_result_per_line(capsys, tmp_path, embedded):
     assert len([json.loads(line) for line in out.splitlines()]) == 2
 
 
+def test_a_prompt_file_can_teach_the_pools_head(capsys, tmp_path, embedded):
+    """`--learn-heads`: the head collects what it verifies while the prompts decode; with fewer new tokens than
+    `--learn-every` no round of learning runs, so nothing is written and the output is as without it."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Say hi."}\n{"prompt": "Say bye."}\n')
+    args = ["--prompt-file", str(path), "--max-new-tokens", "6", "--json", "--drafters", "eagle,ngram"]
+    code, plain, _ = run(capsys, *args)
+    code_learning, learning, _ = run(capsys, *args, "--learn-heads", str(tmp_path / "heads"), "--learn-every", "9999")
+    assert code == code_learning == 0
+    texts = [[json.loads(line)["token_ids"] for line in out.splitlines()] for out in (plain, learning)]
+    assert texts[0] == texts[1] and len(texts[0]) == 2
+    assert not (tmp_path / "heads").exists()
+
+
 def test_plain_output_prints_text_and_statistics(capsys, embedded):
     code, out, err = run(capsys, "--prompt", "Say hi.", "--max-new-tokens", "6", "--policy", "none")
     assert code == 0 and out.strip()
@@ -94,6 +108,9 @@ def test_calibrate_prints_the_table_and_the_kernel_of_each_m(capsys, embedded):
         (["serve", "--max-batch", "0"], "--max-batch"),
         (["serve-bench", "--clients", "0"], "--clients"),
         (["serve-bench", "--max-batch", "0"], "--max-batch"),
+        (["serve", "--learn-heads", "d", "--replicas", "2"], "--learn-heads"),
+        (["serve", "--learn-heads", "d", "--learn-share", "0"], "--learn-share"),
+        (["generate", "--prompt", "Hi", "--learn-heads", "d", "--learn-every", "0"], "--learn-every"),
     ],
 )
 def test_serving_options_are_checked_before_anything_loads(capsys, argv, message):

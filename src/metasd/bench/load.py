@@ -22,19 +22,27 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..engine import Decoder
+from ..learning import LearningConfig
 from ..serving.background import running
 from ..serving.server import create_app
 
 
 @dataclass(frozen=True)
 class Setting:
+    """A server configuration the load test measures: its label, the largest batch, the policy, and whether its
+    EAGLE heads learn from the traffic (`metasd.learning`; None: they do not)."""
+
     label: str
     max_batch: int
     policy: str
+    learning: LearningConfig | None = None
 
 
 @dataclass
 class LoadResult:
+    """One load's outcome: the setting and number of clients, the requests and completion tokens served, its wall
+    time and each request's latency in seconds, the completions, and the rounds per batch size."""
+
     setting: str
     clients: int
     requests: int
@@ -43,12 +51,15 @@ class LoadResult:
     latencies: list[float]
     texts: dict[int, str] = field(repr=False)  # prompt index -> completion
     batch_rounds: dict[str, float] = field(default_factory=dict)  # batch size -> rounds (from /metrics)
+    learning: list[dict] = field(default_factory=list)  # the learners' state at the end (`HeadLearner.stats`)
 
     @property
     def throughput(self) -> float:
+        """Completion tokens per second of wall time, over all clients."""
         return self.tokens / self.wall_s
 
     def latency(self, q: float) -> float:
+        """The `q` quantile (0 .. 1) of the requests' latencies, in seconds."""
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -64,7 +75,7 @@ def first_turns(questions: Sequence, count: int) -> list[str]:
 
 def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients: int, max_tokens: int) -> LoadResult:
     """One load: `clients` threads share the prompts (each prompt once) against a server over `decoder`."""
-    app = create_app(decoder, max_queue=max(64, len(prompts)), max_batch=setting.max_batch)
+    app = create_app(decoder, max_queue=max(64, len(prompts)), max_batch=setting.max_batch, learning=setting.learning)
     latencies: list[float] = [0.0] * len(prompts)
     tokens: list[int] = [0] * len(prompts)
     texts: dict[int, str] = {}
@@ -111,11 +122,14 @@ def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients
         for sample in family.samples
         if sample.name == "metasd:batch_size_bucket"
     }
-    return LoadResult(setting.label, clients, len(prompts), sum(tokens), wall, latencies, texts, rounds)
+    learned = [learner.stats() for learner in app.state.learners]
+    return LoadResult(setting.label, clients, len(prompts), sum(tokens), wall, latencies, texts, rounds, learned)
 
 
 @dataclass(frozen=True)
 class Mismatch:
+    """A batched output that differs from the reference decoded alone: which prompt, under which load, and where."""
+
     prompt: int
     setting: str
     clients: int
@@ -163,7 +177,7 @@ def run_loads(
             result = run_load(make_decoder(setting.policy), setting, prompts[:count], clients, max_tokens)
             log(
                 f"{setting.label:>24} clients {clients:>3}: {result.throughput:7.1f} tok/s, "
-                f"p50 {result.latency(0.5):6.2f} s, p95 {result.latency(0.95):6.2f} s ({result.wall_s:.0f} s)"
+                f"p50 {result.latency(0.5):6.2f} s, p99 {result.latency(0.99):6.2f} s ({result.wall_s:.0f} s)"
             )
             results.append(result)
     alone = [r for r in results if r.setting == settings[0].label]
@@ -173,16 +187,16 @@ def run_loads(
 
 
 def table(results: Sequence[LoadResult], baseline: str) -> str:
-    """Markdown: per load, each setting's throughput (and its ratio to the baseline's), p50 and p95 latency."""
+    """Markdown: per load, each setting's throughput (and its ratio to the baseline's), p50, p95 and p99 latency."""
     lines = [
-        "| clients | setting | tokens/s | vs " + baseline + " | p50 latency (s) | p95 latency (s) |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| clients | setting | tokens/s | vs " + baseline + " | p50 latency (s) | p95 latency (s) | p99 latency (s) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     base = {r.clients: r.throughput for r in results if r.setting == baseline}
     for r in sorted(results, key=lambda r: (r.clients, r.setting != baseline)):
         ratio = r.throughput / base[r.clients] if r.clients in base else float("nan")
         lines.append(
             f"| {r.clients} | {r.setting} | {r.throughput:.1f} | {ratio:.2f}x | {r.latency(0.5):.2f} | "
-            f"{r.latency(0.95):.2f} |"
+            f"{r.latency(0.95):.2f} | {r.latency(0.99):.2f} |"
         )
     return "\n".join(lines)

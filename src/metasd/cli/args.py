@@ -61,12 +61,56 @@ def add_pool_args(parser: argparse.ArgumentParser, *, drafters_default: str | No
 
 
 def add_policy_scope_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--policy-scope`: whether the policy starts afresh each request or keeps learning (`what` says how)."""
     parser.add_argument(
         "--policy-scope",
         choices=["request", "server"],
         default="request",
         help=f"request: every policy starts afresh each request; server: {what} (default: %(default)s)",
     )
+
+
+def add_learning_args(parser: argparse.ArgumentParser) -> None:
+    """`--learn-heads DIR` and how the pool's EAGLE heads learn from the requests they draft for."""
+    parser.add_argument(
+        "--learn-heads",
+        metavar="DIR",
+        default=None,
+        help="the pool's EAGLE heads fine-tune themselves on the requests they draft for, in the background, and "
+        "an improved head is swapped in when it measures better on recent requests; DIR keeps the improved heads "
+        "and their learning records, and a restart resumes from them (default: off)",
+    )
+    parser.add_argument(
+        "--learn-share",
+        type=float,
+        default=0.25,
+        help="with --learn-heads: the most of one core the trainer uses, at the lowest CPU priority "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--learn-every",
+        type=int,
+        default=4096,
+        help="with --learn-heads: new tokens of traffic that start a round of training (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--learn-buffer-tokens",
+        type=int,
+        default=65536,
+        help="with --learn-heads: tokens of recent traffic kept to learn from, per history key; each costs 2 bytes "
+        "per feature the head reads (default: %(default)s)",
+    )
+
+
+def learning_config(args: argparse.Namespace):
+    """The `LearningConfig` of `--learn-*` (validated), or None without --learn-heads."""
+    if args.learn_heads is None:
+        return None
+    from ..learning import LearningConfig
+
+    if args.learn_every < 1 or args.learn_buffer_tokens < 2 or not 0 < args.learn_share <= 1:
+        raise ValueError("--learn-every must be >= 1, --learn-buffer-tokens >= 2 and --learn-share in (0, 1]")
+    return LearningConfig(share=args.learn_share, train_every=args.learn_every, buffer_tokens=args.learn_buffer_tokens)
 
 
 def add_decoder_args(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +124,7 @@ def add_decoder_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """`--device` and `--threads`: where the models run and with how many CPU threads."""
     parser.add_argument(
         "--device",
         default="auto",
@@ -95,6 +140,7 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """`--max-new-tokens`, `--temperature`, `--top-k`, `--top-p`, `--seed`."""
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables")
@@ -115,6 +161,7 @@ def set_threads(threads: int | None) -> None:
 
 
 def build_decoder(args: argparse.Namespace, **extra):
+    """The Decoder the parsed arguments describe (`extra`: further keyword arguments), threads set first."""
     set_threads(args.threads)
     from ..engine import Decoder
 

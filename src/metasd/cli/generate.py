@@ -8,10 +8,18 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .args import add_decoder_args, add_policy_scope_arg, add_sampling_args, build_decoder
+from .args import (
+    add_decoder_args,
+    add_learning_args,
+    add_policy_scope_arg,
+    add_sampling_args,
+    build_decoder,
+    learning_config,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The `metasd generate` subcommand's arguments."""
     gen = sub.add_parser("generate", help="decode prompts and print text and decoding statistics")
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
@@ -19,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     add_policy_scope_arg(gen, "it keeps learning across the prompts of a --prompt-file")
+    add_learning_args(gen)
     add_decoder_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(handler=run)
@@ -45,6 +54,7 @@ def _prompts(args: argparse.Namespace) -> Iterator[str]:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run `metasd generate` with the parsed arguments."""
     if args.prompt is None and args.prompt_file is None:
         raise ValueError("give --prompt TEXT or --prompt-file PATH")
     from ..sampling import SamplingParams
@@ -53,7 +63,24 @@ def run(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = list(_prompts(args))  # a malformed file fails before the models load
+    learning = learning_config(args)
     decoder = build_decoder(args, policy_scope=args.policy_scope)
+    learners = []
+    if learning is not None:
+        from ..learning import learn_heads
+
+        learners = learn_heads(decoder, learning, args.learn_heads)
+    for learner in learners:
+        learner.start()
+    try:
+        _generate(args, decoder, prompts)
+    finally:
+        for learner in learners:
+            learner.close()
+            learner.learn_due()  # what arrived since its last round, before the process ends
+
+
+def _generate(args: argparse.Namespace, decoder, prompts: list[str]) -> None:
     for prompt in prompts:
         result = decoder.generate(
             prompt,

@@ -7,10 +7,11 @@ import os
 import sys
 
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_SHARE
-from .args import add_decoder_args, add_policy_scope_arg, build_decoder
+from .args import add_decoder_args, add_learning_args, add_policy_scope_arg, build_decoder, learning_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The `metasd serve` subcommand's arguments."""
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: completions, chat, SSE streaming, /metrics")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
@@ -55,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "the others waiting for it (default: %(default)s)",
     )
     add_policy_scope_arg(srv, "it keeps learning across requests")
+    add_learning_args(srv)
     srv.add_argument(
         "--replicas",
         type=int,
@@ -79,6 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run `metasd serve` with the parsed arguments (refusing option combinations that cannot work)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
@@ -96,6 +99,9 @@ def run(args: argparse.Namespace) -> None:
             f"--history-scope {args.history_scope} isolates clients, but --policy-scope server shares "
             "one policy across them; use --policy-scope request"
         )
+    learning = learning_config(args)
+    if learning is not None and args.replicas is not None:
+        raise ValueError("--learn-heads runs in one process; leave out --replicas")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"metasd: warning: serving on {args.host} without --api-key", file=sys.stderr)
     if args.replicas is not None:
@@ -113,6 +119,8 @@ def run(args: argparse.Namespace) -> None:
         history_scope=args.history_scope,
         max_batch=args.max_batch,
         prefill_share=args.prefill_share,
+        learning=learning,
+        learn_dir=args.learn_heads,
     )
 
 

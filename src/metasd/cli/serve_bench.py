@@ -12,6 +12,7 @@ from .args import add_decoder_args, build_decoder
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The `metasd serve-bench` subcommand's arguments."""
     p = sub.add_parser(
         "serve-bench",
         help="load test of the server: throughput and latency by concurrent clients, batched and one at a time",
@@ -21,12 +22,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per load, at least two per client (default: 16)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request (default: %(default)s)")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: as `metasd bench` finds it)")
+    p.add_argument(
+        "--learning",
+        type=int,
+        default=None,
+        metavar="EVERY",
+        help="also measure the batched setting with the pool's EAGLE heads learning from the traffic, a round of "
+        "training every EVERY new tokens (`metasd serve --learn-heads`; default: not measured)",
+    )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     add_decoder_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run `metasd serve-bench` with the parsed arguments."""
     loads = [int(c) for c in args.clients.split(",")]
     if not loads or min(loads) < 1 or args.max_batch < 1 or args.requests < 1 or args.max_new_tokens < 1:
         raise ValueError("--clients, --max-batch, --requests and --max-new-tokens must be >= 1")
@@ -41,6 +51,11 @@ def run(args: argparse.Namespace) -> None:
         Setting(f"max-batch {args.max_batch}", args.max_batch, args.policy),
         Setting(f"max-batch {args.max_batch}, no drafting", args.max_batch, "none"),
     ]
+    if args.learning is not None:
+        from ..learning import LearningConfig
+
+        learning = LearningConfig(train_every=args.learning)
+        settings.append(Setting(f"max-batch {args.max_batch}, learning", args.max_batch, args.policy, learning))
 
     def make_decoder(policy: str):
         args.policy = policy
@@ -66,7 +81,9 @@ def run(args: argparse.Namespace) -> None:
                     "throughput": r.throughput,
                     "p50": r.latency(0.5),
                     "p95": r.latency(0.95),
+                    "p99": r.latency(0.99),
                     "batch_rounds": r.batch_rounds,
+                    "learning": r.learning,
                 }
                 for r in results
             ],

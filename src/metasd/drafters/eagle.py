@@ -16,11 +16,13 @@ drew the draft: int8 changes which tokens are drafted, never the target's output
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -31,8 +33,23 @@ from ..models.int8_weights import WEIGHTS, int8_twin, route_rows, split_weights,
 from ..models.linear_kernels import KERNELS, install
 from ..sampling import SamplingParams, probabilities
 from .base import AutoregressiveDrafter
+from .suffix import SHARED as SHARED_KEY
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # package data: a directory per shipped head
+
+
+class HeadLearning(Protocol):
+    """What learns a head from the traffic it drafts for (`metasd.learning.HeadLearner`): per history key, the
+    head in service, and the verified sequences of that key's requests."""
+
+    def current(self, key: str) -> tuple[int, EagleHead | None]:
+        """(version, head in float32) in service for requests of history `key`; (0, None): the head as loaded."""
+        ...
+
+    def collect(self, key: str, tokens: torch.Tensor, features: torch.Tensor, prompt: int) -> None:
+        """A finished request of history `key`: its tokens [n], the target's features [n, D] at each (the columns
+        the head reads) and its prompt's length."""
+        ...
 
 
 def shipped_head(model: torch.nn.Module) -> Path | None:
@@ -42,6 +59,9 @@ def shipped_head(model: torch.nn.Module) -> Path | None:
 
 
 class EagleDrafter(AutoregressiveDrafter):
+    """An EAGLE head drafting from the target's features; with `learn_from`, the head a learner keeps improving on
+    the requests it serves (swapped in at a draft's start, so a round drafts with one head throughout)."""
+
     reads_target_features = True
 
     def __init__(self, head: EagleHead, target: torch.nn.Module, name: str, vocab_size: int, weights: str = "auto"):
@@ -67,7 +87,17 @@ class EagleDrafter(AutoregressiveDrafter):
         # weights, so what the cache holds never depends on how many rows a call had; draft steps (entries dropped
         # before the next draft) and the readout run on what `_route` chose
         self.exact_head = self.head
+        self.float_readout = self.readout
         self.weights = self._route(weights)  # what a draft step runs on, as the bench reports for `lm:` drafters
+        # learning from served traffic (`learn_from`): the learner, the history key of the requests now served
+        # (None: the head as loaded, nothing collected), and per (key, version) the head prepared for drafting,
+        # shared by this drafter's forks
+        self.learning: HeadLearning | None = None
+        self.history_key: str | None = SHARED_KEY
+        self.version: tuple[str | None, int] = (None, 0)
+        self._base = (self.head, self.exact_head, self.readout)
+        self._served: dict[tuple[str | None, int], tuple[EagleHead, EagleHead, torch.nn.Module]] = {}
+        self._prompt = 0
         self.reset_cache()
 
     @torch.inference_mode()
@@ -114,6 +144,18 @@ class EagleDrafter(AutoregressiveDrafter):
         self.head, self.readout = candidates[best]
         return best
 
+    def _prepared(self, head: EagleHead) -> tuple[EagleHead, EagleHead, torch.nn.Module]:
+        """A newly learned head as this drafter runs it: (draft-step head, float head for catch-ups, readout) in
+        the target's dtype, on the kernel or the int8 weights `_route` chose for the head as loaded."""
+        param = self.float_readout.weight
+        exact = copy.deepcopy(head).to(device=param.device, dtype=param.dtype).eval()
+        if self.weights.startswith("int8"):
+            twin = int8_twin(torch.nn.ModuleList([exact, self.float_readout]))
+            route_rows(twin, 1)
+            return twin[0], exact, twin[1]
+        install(exact, [self.weights.partition(", ")[2]])
+        return exact, exact, self.float_readout
+
     def read_features_from(self, target_lm: CachedModel) -> None:
         """The decoder's target cache, whose features of verified positions the head reads: its blocks of d
         columns are the cache's `feature_layers`' outputs, then the final norm's; the head picks its own."""
@@ -128,11 +170,54 @@ class EagleDrafter(AutoregressiveDrafter):
         self.target_lm = target_lm
 
     def reset_cache(self) -> None:
+        """An empty head cache: the next draft catches up on the whole context from the target's features."""
         self.cache = DynamicCache(config=self.head.body.config)
         self.pairs: list[int] = []  # token i + 1 of each cached entry i
         self.exact = 0  # entries [0, exact) were built from the target's true features
 
     def begin(self, prompt: list[int]) -> None:
+        self._prompt = len(prompt)
+        self.reset_cache()
+
+    def learn_from(self, learning: HeadLearning) -> None:
+        """Draft with the head `learning` keeps for each request's history key, and hand it each request's verified
+        tokens and features at its end (online speculative decoding, Liu et al., arXiv 2310.07177)."""
+        self.learning = learning
+
+    def use_history(self, key: str | None) -> None:
+        """Requests from now on learn, and draft from what was learned, in history `key` (None: neither; the
+        head as loaded drafts and nothing is kept)."""
+        self.history_key = key
+
+    def end(self, context: list[int]) -> None:
+        """With a learner: the request's tokens and the target's features of them, verified positions only."""
+        if self.learning is None or self.history_key is None or self.target_lm is None:
+            return
+        features = self.target_lm.features_for(context)
+        if features.shape[0] < 2:
+            return
+        if self._columns is not None:
+            features = features[:, self._columns]
+        tokens = torch.tensor(context[: features.shape[0]])
+        self.learning.collect(self.history_key, tokens, features.detach().to("cpu", torch.bfloat16), self._prompt)
+
+    def _follow_learning(self) -> None:
+        """Adopt the head in service for this request's history key if it changed since the last draft; the head's
+        own cache restarts (its entries came from the other head) and catches up from the target's features."""
+        if self.learning is None:
+            return
+        key = self.history_key
+        version, head = (0, None) if key is None else self.learning.current(key)
+        if (key, version) == self.version:
+            return
+        served = self._served.get((key, version))
+        if served is None:
+            served = self._base if head is None else self._prepared(head)
+            for old in [k for k in self._served if k[0] == key]:
+                del self._served[old]
+            self._served[(key, version)] = served
+        self.head, self.exact_head, self.readout = served
+        self.version = (key, version)
         self.reset_cache()
 
     def next_q(self, context: list[int], params: SamplingParams) -> Callable[[list[int]], torch.Tensor] | None:
@@ -141,6 +226,7 @@ class EagleDrafter(AutoregressiveDrafter):
         head's own predicted feature of its position."""
         if self.target_lm is None:
             raise RuntimeError(f"{self.name}: no target cache attached (Decoder does it; see read_features_from)")
+        self._follow_learning()
         features = self.target_lm.features_for(context)
         if len(context) < 2 or features.shape[0] < len(context) - 1:
             return None

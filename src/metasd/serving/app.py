@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_SHARE
 from ..drafters.suffix import SHARED as SHARED_HISTORY
 from ..engine import Decoder
+from ..learning import HeadLearner, LearningConfig, learn_heads
 from .metrics import _Metrics
 from .protocol import (
     HISTORY_SCOPES,
@@ -58,6 +60,8 @@ def create_app(
     history_scope: str = "shared",
     max_batch: int = DEFAULT_MAX_BATCH,
     prefill_share: float = DEFAULT_PREFILL_SHARE,
+    learning: LearningConfig | None = None,
+    learn_dir: str | Path | None = None,
 ) -> FastAPI:
     """An app serving `decoder`; the worker thread runs between the app's startup and shutdown.
 
@@ -65,6 +69,8 @@ def create_app(
     history_scope: what the `suffix` drafter learns across requests from: `shared` (every request's output, the
     default), `per-key` (only earlier outputs of requests with the same API key) or `off` (nothing).
     prefill_share: the share of a round's time a joining prompt gets while others decode (`Batch`).
+    learning: the pool's EAGLE heads learn from the traffic they draft for (`metasd.learning`), per history key
+    (`history_scope`; `off` learns nothing), keeping improved heads in `learn_dir` and resuming from them.
     """
     keys = _check_options(decoder, api_key, max_queue, max_body_bytes, history_scope, max_batch)
     max_chars = _max_prompt_chars(decoder.tokenizer, decoder.target.max_length)
@@ -74,6 +80,9 @@ def create_app(
     app = FastAPI(title="metasd", lifespan=_lifespan)
     app.state.engine = engine  # the decoding thread; Ray replicas' health check reads it too
     app.state.metrics = metrics
+    app.state.learners = [] if learning is None else learn_heads(decoder, learning, learn_dir)
+    for learner in app.state.learners:
+        learner.busy = lambda: engine.running > 0 or engine.waiting > 0
     app.state.settings = _Settings(decoder, decoder.target.spec, max_chars, max_body_bytes, keys, history_scope)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http)
@@ -117,10 +126,15 @@ def _check_options(
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """The decoding thread runs between the app's startup and shutdown."""
+    """The decoding thread, and the heads' learners, run between the app's startup and shutdown."""
     engine: DecodingWorker = app.state.engine
+    learners: list[HeadLearner] = app.state.learners
     engine.start()
+    for learner in learners:
+        learner.start()
     yield
+    for learner in learners:
+        learner.close()
     engine.stop()
 
 
@@ -167,6 +181,7 @@ probes = APIRouter()  # unauthenticated: load balancers and Prometheus poll thes
 
 @probes.get("/health")
 async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the decoding thread runs (503 once it stopped), with queue and batch sizes."""
     engine: DecodingWorker = request.app.state.engine
     body = {
         "status": "ok" if engine.alive else "engine stopped",
@@ -179,6 +194,8 @@ async def health(request: Request) -> JSONResponse:
 
 @probes.get("/metrics")
 async def prometheus(request: Request) -> Response:
+    """The Prometheus metrics, the heads' learning state refreshed first."""
+    request.app.state.metrics.record_learning([learner.stats() for learner in request.app.state.learners])
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -187,6 +204,7 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
 @v1.get("/models")
 async def models(request: Request) -> dict:
+    """The served model as OpenAI's /v1/models lists it, with its drafters and policy."""
     settings: _Settings = request.app.state.settings
     decoder = settings.decoder
     card = {
@@ -203,14 +221,30 @@ async def models(request: Request) -> dict:
     return {"object": "list", "data": [card]}
 
 
+@v1.get("/learning")
+async def learning(request: Request) -> dict:
+    """The heads learning from traffic: per drafter and history key, the version in service, its held-out
+    expected tokens per draft over the rounds of learning, the buffer's size and the trainer's share of a core. A
+    client sees its own history key's only (`per-key`)."""
+    key = request.state.history
+    out = []
+    for learner in request.app.state.learners:
+        report = learner.report(key)
+        if report is not None:
+            out.append(report)
+    return {"object": "list", "data": out}
+
+
 @v1.post("/completions")
 async def completions(request: Request) -> Response:
+    """OpenAI's /v1/completions (streamed with `stream: true`)."""
     body = await _parse(request, CompletionRequest, request.app.state.settings.max_body_bytes)
     return await respond(request, body, body.prompt, chat=False, max_tokens=body.max_tokens or 16)
 
 
 @v1.post("/chat/completions")
 async def chat(request: Request) -> Response:
+    """OpenAI's /v1/chat/completions, the prompt built by the model's chat template."""
     body = await _parse(request, ChatRequest, request.app.state.settings.max_body_bytes)
     messages = [m.as_dict() for m in body.messages]
     return await respond(request, body, messages, chat=True, max_tokens=body.max_completion_tokens or body.max_tokens)

@@ -66,9 +66,38 @@ class _Metrics:
             ["batch_size"],
             registry=r,
         )
+        self.head_version = Gauge(
+            "metasd:learning_head_version", "Version of the head in service (0: as loaded)", ["drafter"], registry=r
+        )
+        self.head_expected_tokens = Gauge(
+            "metasd:learning_held_out_expected_tokens",
+            "Expected accepted tokens per draft of the head in service, on held-out recent requests",
+            ["drafter"],
+            registry=r,
+        )
+        self.buffer_tokens = Gauge(
+            "metasd:learning_buffer_tokens", "Tokens of verified traffic kept to learn from", ["drafter"], registry=r
+        )
+        self.training_share = Gauge(
+            "metasd:learning_training_share", "Share of a core the head's trainer used so far", ["drafter"], registry=r
+        )
+        self.learning_failures = Gauge(
+            "metasd:learning_failures", "Rounds of learning that failed (serving went on)", ["drafter"], registry=r
+        )
         for name in drafters:  # export zeros from the start, so rate() works from the first scrape
             for counter in (self.drafts, self.draft_tokens, self.accepted):
                 counter.labels(name)
+
+    def record_learning(self, reports: list[dict]) -> None:
+        """The learners' state (`HeadLearner.stats`) as gauges: the shared history key's head (per-key heads are
+        each client's own business, summed into the buffer only)."""
+        for report in reports:
+            name, shared = report["drafter"], report["keys"].get("shared", {})
+            self.head_version.labels(name).set(shared.get("version", 0))
+            self.head_expected_tokens.labels(name).set(shared.get("held_out_expected_tokens") or 0.0)
+            self.buffer_tokens.labels(name).set(sum(k["buffer_tokens"] for k in report["keys"].values()))
+            self.training_share.labels(name).set(report["training_share"])
+            self.learning_failures.labels(name).set(report["failures"])
 
     def record(self, stats: GenerationStats, finish_reason: str, latency: float) -> None:
         self.success.labels(finish_reason).inc()

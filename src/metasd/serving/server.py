@@ -12,9 +12,11 @@ The modules, one concern each: `protocol` (request models, errors, limits), `sto
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_SHARE
 from ..engine import Decoder
+from ..learning import LearningConfig
 from .app import create_app
 from .protocol import MAX_BODY_BYTES
 
@@ -31,6 +33,8 @@ def serve(
     history_scope: str = "shared",
     max_batch: int = DEFAULT_MAX_BATCH,
     prefill_share: float = DEFAULT_PREFILL_SHARE,
+    learning: LearningConfig | None = None,
+    learn_dir: str | Path | None = None,
 ) -> None:
     """Run the server until interrupted (the `metasd serve` command)."""
     import uvicorn
@@ -45,5 +49,7 @@ def serve(
         history_scope=history_scope,
         max_batch=max_batch,
         prefill_share=prefill_share,
+        learning=learning,
+        learn_dir=learn_dir,
     )
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
