@@ -41,7 +41,8 @@ class Setting:
 @dataclass
 class LoadResult:
     """One load's outcome: the setting and number of clients, the requests and completion tokens served, its wall
-    time and each request's latency in seconds, the completions, and the rounds per batch size."""
+    time and each request's latency in seconds, the completions, the rounds per batch size, and each response's
+    mean accepted tokens per round with when it arrived."""
 
     setting: str
     clients: int
@@ -52,6 +53,12 @@ class LoadResult:
     texts: dict[int, str] = field(repr=False)  # prompt index -> completion
     batch_rounds: dict[str, float] = field(default_factory=dict)  # batch size -> rounds (from /metrics)
     learning: list[dict] = field(default_factory=list)  # the learners' state at the end (`HeadLearner.stats`)
+    # prompt index -> (seconds from the load's start to its answer, the answer's mean accepted tokens per round)
+    acceptance: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def acceptance_in_order(self) -> list[float]:
+        """The responses' mean accepted tokens per round, in the order they were answered."""
+        return [accepted for _, accepted in sorted(self.acceptance.values())]
 
     @property
     def throughput(self) -> float:
@@ -79,6 +86,7 @@ def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients
     latencies: list[float] = [0.0] * len(prompts)
     tokens: list[int] = [0] * len(prompts)
     texts: dict[int, str] = {}
+    answered: dict[int, tuple[float, float]] = {}  # prompt index -> (perf_counter at the answer, mean accepted)
     errors: list[str] = []
     next_prompt = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -104,15 +112,16 @@ def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients
                 data = r.json()
                 tokens[i] = data["usage"]["completion_tokens"]
                 texts[i] = data["choices"][0]["message"]["content"]
+                answered[i] = (time.perf_counter(), data["metasd"]["mean_accepted_tokens"])
 
     with running(app) as url:
         threads = [threading.Thread(target=client, args=(url,)) for _ in range(clients)]
-        start = time.perf_counter()
+        began = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - began
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed under load, e.g. {errors[0]}")
@@ -123,7 +132,18 @@ def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients
         if sample.name == "metasd:batch_size_bucket"
     }
     learned = [learner.stats() for learner in app.state.learners]
-    return LoadResult(setting.label, clients, len(prompts), sum(tokens), wall, latencies, texts, rounds, learned)
+    return LoadResult(
+        setting=setting.label,
+        clients=clients,
+        requests=len(prompts),
+        tokens=sum(tokens),
+        wall_s=wall,
+        latencies=latencies,
+        texts=texts,
+        batch_rounds=rounds,
+        learning=learned,
+        acceptance={i: (at - began, accepted) for i, (at, accepted) in answered.items()},
+    )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib import colormaps
@@ -13,6 +15,9 @@ from matplotlib.patches import Patch
 from .methods import is_policy, label
 from .oracles import AcceptanceTable, regret
 from .runners import QuestionRecord
+
+if TYPE_CHECKING:
+    from .load import LoadResult
 
 STYLES = ["-", "--", "-.", ":"]  # lines often coincide (same picks): dashes keep each one visible
 # matplotlib's tab20, its ten dark shades first: 20 distinct colours, enough for the specialists pool (10 drafters)
@@ -151,6 +156,35 @@ def cumulative_regret(
         ax.set_visible(False)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside upper center", ncol=min(len(labels), 6), fontsize=8)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def acceptance_over_requests(results: Sequence[LoadResult], path: Path, window: int = 8) -> bool:
+    """`serve-bench`'s mean accepted tokens per round of each response, in the order the responses arrived, as a
+    moving mean over `window` responses: one line per setting and load (a head learning from the traffic should
+    climb, a frozen one stay level). False where no response reported any."""
+    curves = [r for r in results if r.acceptance]
+    if not curves:
+        return False
+    fig = Figure(figsize=(7.0, 4.0), layout="constrained")
+    ax = fig.subplots()
+    for i, result in enumerate(curves):
+        accepted = np.asarray(result.acceptance_in_order())
+        width = max(1, min(window, len(accepted)))
+        moving = np.convolve(accepted, np.ones(width) / width, mode="valid")
+        ax.plot(
+            range(width, len(accepted) + 1),
+            moving,
+            label=f"{result.setting}, {result.clients} clients",
+            color=color(i),
+            linestyle=STYLES[i % len(STYLES)],
+            linewidth=1.6,
+        )
+    ax.set_xlabel("response, in the order answered")
+    ax.set_ylabel(f"mean accepted tokens per round ({window}-response moving mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)
     return True
 

@@ -31,6 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "training every EVERY new tokens (`metasd serve --learn-heads`; default: not measured)",
     )
     p.add_argument("--out", default=None, help="also write the results as JSON here")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="also plot each response's mean accepted tokens per round in the order answered, per setting and load "
+        "(with --learning: does the head climb?)",
+    )
     add_decoder_args(p)
     p.set_defaults(handler=run)
 
@@ -69,6 +76,11 @@ def run(args: argparse.Namespace) -> None:
     for m in mismatches:
         print(f"  prompt {m.prompt} ({m.setting}, {m.clients} clients): from token {m.position}, margin {m.margin:.4f}")
     print(f"wall time: {time.perf_counter() - started:.0f} s")
+    if args.plot:
+        from ..bench.plots import acceptance_over_requests
+
+        if acceptance_over_requests(results, Path(args.plot)):
+            print(f"wrote {args.plot}")
     if args.out:
         out = {
             "results": [
@@ -84,6 +96,8 @@ def run(args: argparse.Namespace) -> None:
                     "p99": r.latency(0.99),
                     "batch_rounds": r.batch_rounds,
                     "learning": r.learning,
+                    # [prompt index, seconds into the load at its answer, its mean accepted tokens per round]
+                    "acceptance": [[i, *r.acceptance[i]] for i in sorted(r.acceptance)],
                 }
                 for r in results
             ],
