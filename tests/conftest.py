@@ -39,3 +39,13 @@ def pair(embedded, tmp_path_factory):
     tiny_vocab_llama(draft_dir, embedded.tokenizer, 1, base=target, noise=0.15)
     yield target, str(target_dir), str(draft_dir)
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module whose server threads decode beside the test's own: on two cores shared with
+    other work, several OpenMP threads per process thrash (measured 40x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,7 +1,6 @@
 """`serve-bench`'s load: every response's acceptance recorded in the order answered, and its plot."""
 
 import pytest
-import torch
 
 from metasd import Decoder
 from metasd.bench.load import LoadResult, Setting, run_load
@@ -9,13 +8,7 @@ from metasd.bench.plots import acceptance_over_requests
 
 PROMPTS = ["Name three fruits.", "Count from one to five.", "What colour is the sky?", "Say hello in French."]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_load_records_each_responses_acceptance_when_it_arrived(embedded, tmp_path):

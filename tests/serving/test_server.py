@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from metasd import Decoder, Draft
@@ -26,13 +25,7 @@ PROMPT = "The three primary colors are"
 QUESTION = "Name three fruits."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two cores shared with other work: several OpenMP threads per process thrash (measured 40x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
