@@ -1,13 +1,17 @@
 """A draft: the tokens a drafter proposes for one round, with the distribution q they were drawn from (None when
 they are deterministic), the drafter's confidence per token, and a model drafter's forwards and runners-up. The
-engine, trees, policies and drafters all read it, so it sits at the bottom of the package."""
+engine, trees, policies and drafters all read it, so it sits at the bottom of the package; beside it `DraftJob`, a
+draft one request asks of its model drafter in a batch's round."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -62,3 +66,15 @@ class Draft:
                 *(tail.confidence or [math.nan] * len(tail.tokens)),
             ]
         return Draft(self.tokens + tail.tokens, q, confidence, self.forwards, self.runners_up)
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """One request's model draft in a batch's round: its fork of the chosen drafter (a `drafters.base.Drafter`),
+    the context, the length the batch's decision chose, and the request's sampling."""
+
+    drafter: Any
+    context: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator | None

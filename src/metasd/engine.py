@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 
 from .cached_model import CachedModel, TargetCache, common_prefix, feature_layers_read_by
 from .costs import CostModel, TargetCost, load_or_calibrate, observe_round, reward_times
+from .draft import Draft, DraftJob
 from .drafters import DEFAULT_POOL, Drafter, default_pool, parse_drafters, pool_entry
 from .drafters.base import StoppableDrafter
 from .drafting import chosen_draft, continued_draft, draft_tree, free_proposals
@@ -375,15 +376,25 @@ class Generation:
                 state.room, state.proposals, state.lags, remaining=state.remaining, fresh=state.fresh
             )
 
-    def draft(self, state: RoundState, stop_rules: bool = True) -> None:
-        """The chosen drafter drafts (its stop rule may end it early: stop_rules), a free drafter may continue it,
-        and a policy that grows trees adds branches (`metasd.drafting`)."""
+    def draft_job(self, state: RoundState) -> DraftJob | None:
+        """The draft asked of its model drafter, for a batch to draft beside others' (None: none, or a free one's)."""
+        arm = state.arm
+        free = arm is None or state.k == 0 or arm in state.proposals or not self.pool[arm].runs_model
+        return None if free else DraftJob(self.pool[arm], self.context, state.k, self.params, self._generator)
+
+    def draft(self, state: RoundState, stop_rules: bool = True, drafted: tuple[Draft, float] | None = None) -> None:
+        """The chosen drafter drafts (its stop rule may end it early: stop_rules; or a batch `drafted` it, with this
+        request's share of the seconds), a free drafter may continue it, a tree may grow (`metasd.drafting`)."""
         pool, policy, params, arm = self.pool, self.policy, self.params, state.arm
-        state.clock.chosen = time.perf_counter()
-        draft = chosen_draft(
-            pool, policy, arm, state.k, self.context, state.proposals, params, self._generator, stop_rules
-        )
+        if drafted is None:
+            started = time.perf_counter()
+            draft = chosen_draft(
+                pool, policy, arm, state.k, self.context, state.proposals, params, self._generator, stop_rules
+            )
+            drafted = (draft, time.perf_counter() - started)
+        draft, seconds = drafted  # a batch's draft: the clock's drafting span is this request's share
         state.clock.drafted = time.perf_counter()
+        state.clock.chosen = state.clock.drafted - seconds
         state.draft, state.extension = continued_draft(
             pool, policy, arm, draft, self.context, state.room, params, self.eos_token_ids
         )

@@ -9,13 +9,14 @@ the batch's decision).
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from .draft import Draft
+from .draft import Draft, DraftJob
 from .outcome import Extension
 from .tree import DraftTree
 
@@ -92,7 +93,9 @@ class RoundRequest(Protocol):
 
     def choose(self, state: RoundState) -> None: ...
 
-    def draft(self, state: RoundState, stop_rules: bool = True) -> None: ...
+    def draft_job(self, state: RoundState) -> DraftJob | None: ...
+
+    def draft(self, state: RoundState, stop_rules: bool = True, drafted: tuple[Draft, float] | None = None) -> None: ...
 
     def accept(self, state: RoundState, logits: torch.Tensor, prefilled: bool, alone: bool) -> list[int]: ...
 
@@ -135,6 +138,27 @@ class OwnChoice:
         pass
 
 
+def drafts_together(jobs: Sequence[DraftJob | None]) -> list[tuple[Draft, float] | None]:
+    """A batch's model drafts, drafted together where several requests chose forks that share a `batch_key` (one
+    forward per drafted token for all, vLLM's batch-first proposers); None where a job is None or alone (its request
+    drafts it as it would alone). Each draft comes with its share of the seconds its group took."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, job in enumerate(jobs):
+        key = None if job is None else job.drafter.batch_key()
+        if key is not None:
+            groups[(type(job.drafter), key)].append(i)
+    out: list[tuple[Draft, float] | None] = [None] * len(jobs)
+    for (kind, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        started = time.perf_counter()
+        drafts = kind.draft_batch([jobs[i] for i in members])
+        share = (time.perf_counter() - started) / len(members)
+        for i, draft in zip(members, drafts, strict=True):
+            out[i] = (draft, share)
+    return out
+
+
 def run_round(
     requests: Sequence[RoundRequest],
     verifier: Verifier,
@@ -148,8 +172,10 @@ def run_round(
     alone = len(requests) == 1 and prefill is None
     states = decision.start(requests)  # 1. lags, room and the free drafters' proposals
     decision.choose(requests, states)  # 2. (drafter, k) per request
-    for request, state in zip(requests, states, strict=True):
-        request.draft(state, stop_rules=len(requests) == 1)  # 3. drafts (in a batch, its decision chose k)
+    single = len(requests) == 1  # 3. drafts: in a batch, its decision chose k, and forks of one model draft together
+    drafted = [None] if single else drafts_together([r.draft_job(s) for r, s in zip(requests, states, strict=True)])
+    for request, state, together in zip(requests, states, drafted, strict=True):
+        request.draft(state, stop_rules=single, drafted=together)
     fed = [request.target.fed_tokens for request in requests]
     items = [(request.target, request.context, state.tree) for request, state in zip(requests, states, strict=True)]
     started = time.perf_counter()

@@ -7,6 +7,7 @@ from helpers import greedy_reference, tiny_llama
 
 from metasd import Decoder
 from metasd.cached_model import CachedModel
+from metasd.draft import DraftJob
 from metasd.drafters import DEFAULT_POOL, build_drafter
 from metasd.drafters.eagle import EagleDrafter, shipped_head
 from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, load_head, save_head
@@ -74,6 +75,53 @@ def test_the_heads_cache_cannot_drift(tmp_path, weights, layers):
     theirs = fresh.propose(context, 3, GREEDY, None)
     assert mine.tokens == theirs.tokens
     assert torch.allclose(mine.q, theirs.q, atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_k=20)], ids=["greedy", "sampled"])
+def test_forks_drafting_together_draft_what_each_drafts_alone(tmp_path, params):
+    """A batch's forks of one head, with contexts of different lengths and drafts of different lengths, draft in
+    one step per token what each fork drafts alone: the same tokens from the same q (sampled: the same generator
+    states), and the forks' caches are left as drafting alone leaves them for the next round."""
+    model = tiny_llama(64, layers=2)
+    head = make_head(model, tmp_path, layers=(0,))
+    with torch.no_grad():  # sharp attention: an untrained head attends almost evenly, blind to positions and masks
+        for proj in (head.body.layers[0].self_attn.q_proj, head.body.layers[0].self_attn.k_proj):
+            proj.weight.mul_(10)
+    contexts, ks = [[5, 6, 7, 8], [9, 3, 4, 1, 2, 11, 12], [20, 21]], [3, 4, 2]
+
+    def forks() -> list[EagleDrafter]:
+        """A fork per request, each reading its own target cache (a batch's row) that has verified its context."""
+        drafter = EagleDrafter(head, model, "eagle", 64, weights="unquantized")
+        out = []
+        for context in contexts:
+            fork = drafter.fork()
+            fork.read_features_from(CachedModel(model, keep_features=True, feature_layers=(0,)))
+            fork.begin(context)
+            fork.target_lm.logits_for(context)
+            out.append(fork)
+        return out
+
+    alone, together = [], forks()
+    for fork, context, k in zip(forks(), contexts, ks, strict=True):
+        alone.append(fork.propose(context, k, params, torch.Generator().manual_seed(len(context))))
+    jobs = [
+        DraftJob(fork, context, k, params, torch.Generator().manual_seed(len(context)))
+        for fork, context, k in zip(together, contexts, ks, strict=True)
+    ]
+    assert len({fork.batch_key() for fork in together}) == 1
+    drafted = EagleDrafter.draft_batch(jobs)
+    for one, many, k in zip(alone, drafted, ks, strict=True):
+        assert many.tokens == one.tokens and len(many.tokens) == k and many.forwards == one.forwards == k
+        torch.testing.assert_close(many.q, one.q, atol=1e-5, rtol=1e-4)
+        assert [t for t, _ in many.runners_up] == [t for t, _ in one.runners_up]
+        assert many.confidence == pytest.approx(one.confidence, abs=1e-5)
+    for fork, context, one in zip(together, contexts, alone, strict=True):  # the next round, alone: as if never batched
+        after = context + one.tokens[:1] + [1]
+        fork.target_lm.logits_for(after)
+        again = fork.propose(after, 2, GREEDY, None)
+        fresh = EagleDrafter(head, model, "eagle", 64, weights="unquantized")
+        fresh.read_features_from(fork.target_lm)
+        torch.testing.assert_close(again.q, fresh.propose(after, 2, GREEDY, None).q, atol=1e-5, rtol=1e-4)
 
 
 def test_an_untrained_fusion_reads_the_final_norms_output_alone(tmp_path):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..draft import Draft
+from ..draft import Draft, DraftJob
 from ..sampling import SamplingParams, pick
 
 
@@ -55,6 +55,8 @@ class Drafter:
       (bench/history.py): the others may hold unpicklable shared state, such as a datastore's memory maps.
     - `fork`: its copy for one request among several in flight (a batch).
     - `use_history`: which cross-request history the next requests read and extend (a key per client, or None).
+    - `batch_key` / `draft_batch`: forks whose drafts can share forwards in a batch (the same weights) say so, and
+      draft together: one forward per drafted token for all of them (vLLM's batch-first proposers).
     """
 
     name: str
@@ -89,6 +91,42 @@ class Drafter:
     def use_history(self, key: str | None) -> None:
         """Which history the next requests read and extend; a drafter that keeps none has nothing to choose."""
 
+    def batch_key(self) -> Hashable | None:
+        """Forks returning equal keys draft together in a batch (`draft_batch`); None: this one drafts alone."""
+        return None
+
+    @classmethod
+    def draft_batch(cls, jobs: Sequence[DraftJob]) -> list[Draft]:
+        """The drafts of jobs whose drafters share a `batch_key`, as `propose` would draft each one (no stop rule):
+        here one after another; a drafter that batches its forwards overrides this."""
+        return [job.drafter.propose(job.context, job.k, job.params, job.generator) for job in jobs]
+
+
+class DraftBuilder:
+    """A model drafter's draft as its tokens are drawn, one q at a time: each token's confidence is the largest
+    probability of its q (for greedy drafting, that of the token itself), its runner-up the likeliest other token."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.rows: list[torch.Tensor] = []
+        self.confidence: list[float] = []
+        self.runners_up: list[tuple[int, float]] = []
+        self.forwards = 0
+
+    def add(self, q: torch.Tensor, token: int) -> None:
+        """Token `token`, drawn from q."""
+        self.tokens.append(token)
+        self.rows.append(q)
+        self.confidence.append(float(q.max()))
+        top = torch.topk(q, 2)
+        second = 1 if int(top.indices[0]) == token else 0
+        self.runners_up.append((int(top.indices[second]), float(top.values[second])))
+
+    def draft(self) -> Draft:
+        """The draft so far, with the q of each token and the forwards paid (one may have drawn no token)."""
+        q = torch.stack(self.rows) if self.rows else None
+        return Draft(self.tokens, q, self.confidence, self.forwards, self.runners_up)
+
 
 def draft_autoregressively(
     next_q: Callable[[list[int]], torch.Tensor],
@@ -99,27 +137,17 @@ def draft_autoregressively(
     stop: StopRule | None,
 ) -> Draft:
     """A model drafter's draft: up to k tokens, each drawn from next_q(sequence so far), one forward per call; the
-    stop rule may end it before token j is drawn or after it (`StopRule`). Each token's confidence is the largest
-    probability of its q (for greedy drafting, that of the token itself); its runner-up the likeliest other token."""
-    seq = list(context)
-    rows: list[torch.Tensor] = []
-    confidence: list[float] = []
-    runners_up: list[tuple[int, float]] = []
-    forwards = 0
+    stop rule may end it before token j is drawn or after it (`StopRule`)."""
+    built = DraftBuilder()
     for j in range(k):
-        q = next_q(seq)
-        forwards += 1
+        q = next_q(context + built.tokens)
+        built.forwards += 1
         if stop is not None and stop.before(j, q):
             break
-        seq.append(pick(q, params, generator))
-        rows.append(q)
-        confidence.append(float(q.max()))
-        top = torch.topk(q, 2)
-        second = 1 if int(top.indices[0]) == seq[-1] else 0
-        runners_up.append((int(top.indices[second]), float(top.values[second])))
-        if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
+        built.add(q, pick(q, params, generator))
+        if stop is not None and j + 1 < k and stop.after(j, q, built.tokens[-1]):
             break
-    return Draft(seq[len(context) :], torch.stack(rows) if rows else None, confidence, forwards, runners_up)
+    return built.draft()
 
 
 class AutoregressiveDrafter(Drafter):

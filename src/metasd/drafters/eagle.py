@@ -20,7 +20,7 @@ import copy
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -28,11 +28,12 @@ import torch
 from transformers import DynamicCache
 
 from ..cached_model import CachedModel, common_prefix, feature_columns
+from ..draft import Draft
 from ..models.eagle_head import EagleHead, fits, load_head
 from ..models.int8_weights import WEIGHTS, int8_twin, route_rows, split_weights, synchronize
 from ..models.linear_kernels import KERNELS, install
-from ..sampling import SamplingParams, probabilities
-from .base import AutoregressiveDrafter
+from ..sampling import SamplingParams, pick, probabilities
+from .base import AutoregressiveDrafter, DraftBuilder, DraftJob
 from .suffix import SHARED as SHARED_KEY
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # package data: a directory per shipped head
@@ -241,6 +242,73 @@ class EagleDrafter(AutoregressiveDrafter):
 
         return q
 
+    def batch_key(self) -> int:
+        """The head this fork's next draft runs on (after adopting a newly learned one): forks of one head draft
+        together in a batch."""
+        self._follow_learning()
+        return id(self.head)
+
+    @classmethod
+    @torch.inference_mode()
+    def draft_batch(cls, jobs: Sequence[DraftJob]) -> list[Draft]:
+        """Forks of one head drafting for several requests: each catches up on its own context (its own cache and
+        length), then every draft step runs once for all rows. The rows' head caches are laid side by side, each
+        padded to the longest and the padding masked, and every row sits at its own positions, so a row computes
+        what it computes alone; the step's entries are not kept (the next catch-up drops them as it does alone).
+        A head on int8 weights routed for one-row steps (`_route`) runs these several-row steps on its float
+        weights."""
+        forks = [job.drafter for job in jobs]
+        built = [DraftBuilder() for _ in jobs]
+        hidden, lengths, live = [], [], []
+        for i, (fork, job) in enumerate(zip(forks, jobs, strict=True)):
+            features = fork.target_lm.features_for(job.context)
+            if job.k <= 0 or len(job.context) < 2 or features.shape[0] < len(job.context) - 1:
+                continue  # no draft now (as `next_q` answers None)
+            hidden.append(fork._catch_up(job.context, features))
+            lengths.append(fork.cache.get_seq_length())
+            live.append(i)
+        if not live:
+            return [b.draft() for b in built]
+        lead = forks[live[0]]
+        state = torch.cat(hidden)  # [B, d]: each row's output at its last entry
+        cache, mask = lead._side_by_side([forks[i].cache for i in live], lengths)
+        positions = torch.tensor(lengths, device=state.device)[:, None]
+        for j in range(max(jobs[i].k for i in live)):
+            if j:
+                tokens = torch.tensor([[built[i].tokens[-1]] for i in live], device=state.device)
+                step_mask = torch.cat([mask, mask.new_zeros(len(live), 1, 1, j)], dim=-1)
+                state = lead.head(
+                    state.unsqueeze(1),
+                    lead.embed(tokens),
+                    cache=cache,
+                    position_ids=positions + j - 1,
+                    attention_mask=step_mask,
+                )[:, -1]
+            logits = lead._logits(state)
+            for row, i in enumerate(live):
+                job = jobs[i]
+                if j < job.k:
+                    q = probabilities(logits[row : row + 1], job.params)[0]
+                    built[i].forwards += 1
+                    built[i].add(q, pick(q, job.params, job.generator))
+        return [b.draft() for b in built]
+
+    def _side_by_side(self, caches: list[DynamicCache], lengths: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+        """One cache holding each row's entries at [0, length), zeros after up to the longest, and the additive
+        mask [B, 1, 1, longest] that hides those zeros."""
+        longest = max(lengths)
+        layer = caches[0].layers[0]
+        keys = layer.keys.new_zeros(len(caches), *layer.keys.shape[1:2], longest, layer.keys.shape[-1])
+        values = torch.zeros_like(keys)
+        mask = keys.new_full((len(caches), 1, 1, longest), float("-inf"))
+        for row, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
+            keys[row, :, :length] = cache.layers[0].keys[0, :, :length]
+            values[row, :, :length] = cache.layers[0].values[0, :, :length]
+            mask[row, ..., :length] = 0.0
+        side = DynamicCache(config=self.head.body.config)
+        side.update(keys, values, 0)
+        return side, mask
+
     @torch.inference_mode()
     def _catch_up(self, context: list[int], features: torch.Tensor) -> torch.Tensor:
         """Entries for pairs (f_i, context[i + 1]) up to the last one; returns the head's output there [1, d]."""
@@ -268,9 +336,10 @@ class EagleDrafter(AutoregressiveDrafter):
 
     @torch.inference_mode()
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [1, V] on the CPU: the draft vocabulary's, -inf elsewhere (q is 0 there)."""
-        logits = torch.full((1, self.vocab_size), float("-inf"))
-        logits[0, self.head.draft_vocab.cpu()] = self.readout(hidden).float().cpu()[0]
+        """Full-vocabulary logits [B, V] on the CPU from hidden [B, d]: the draft vocabulary's, -inf elsewhere (q is
+        0 there)."""
+        logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.head.draft_vocab.cpu()] = self.readout(hidden).float().cpu()
         return logits
 
 
