@@ -141,7 +141,7 @@ class OwnChoice:
 def drafts_together(jobs: Sequence[DraftJob | None]) -> list[tuple[Draft, float] | None]:
     """A batch's model drafts, drafted together where several requests chose forks that share a `batch_key` (one
     forward per drafted token for all, vLLM's batch-first proposers); None where a job is None or alone (its request
-    drafts it as it would alone). Each draft comes with its share of the seconds its group took."""
+    drafts it as it would alone). Each draft comes with the seconds it is charged (`Drafter.draft_batch`)."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, job in enumerate(jobs):
         key = None if job is None else job.drafter.batch_key()
@@ -151,11 +151,8 @@ def drafts_together(jobs: Sequence[DraftJob | None]) -> list[tuple[Draft, float]
     for (kind, _), members in groups.items():
         if len(members) < 2:
             continue
-        started = time.perf_counter()
-        drafts = kind.draft_batch([jobs[i] for i in members])
-        share = (time.perf_counter() - started) / len(members)
-        for i, draft in zip(members, drafts, strict=True):
-            out[i] = (draft, share)
+        for i, drafted in zip(members, kind.draft_batch([jobs[i] for i in members]), strict=True):
+            out[i] = drafted
     return out
 
 

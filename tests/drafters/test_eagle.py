@@ -108,8 +108,13 @@ def test_forks_drafting_together_draft_what_each_drafts_alone(tmp_path, params):
         DraftJob(fork, context, k, params, torch.Generator().manual_seed(len(context)))
         for fork, context, k in zip(together, contexts, ks, strict=True)
     ]
+    unseen = together[0].fork()  # a request whose prompt the target has not verified yet: no draft, nothing shared
+    unseen.read_features_from(CachedModel(model, keep_features=True, feature_layers=(0,)))
+    results = EagleDrafter.draft_batch([*jobs, DraftJob(unseen, [30, 31, 32], 3, params, None)])
+    assert results[-1][0].tokens == [] and results[-1][0].forwards == 0
     assert len({fork.batch_key() for fork in together}) == 1
-    drafted = EagleDrafter.draft_batch(jobs)
+    assert all(seconds > 0 for _, seconds in results)  # each row charged its catch-up and its share of the steps
+    drafted = [draft for draft, _ in results[:-1]]
     for one, many, k in zip(alone, drafted, ks, strict=True):
         assert many.tokens == one.tokens and len(many.tokens) == k and many.forwards == one.forwards == k
         torch.testing.assert_close(many.q, one.q, atol=1e-5, rtol=1e-4)

@@ -182,7 +182,7 @@ def acceptance_over_requests(results: Sequence[LoadResult], path: Path, window: 
             linewidth=1.6,
         )
     ax.set_xlabel("response, in the order answered")
-    ax.set_ylabel(f"mean accepted tokens per round ({window}-response moving mean)")
+    ax.set_ylabel(f"mean accepted tokens per round\n(moving mean over up to {window} responses)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)

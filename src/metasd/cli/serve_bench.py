@@ -96,8 +96,10 @@ def run(args: argparse.Namespace) -> None:
                     "p99": r.latency(0.99),
                     "batch_rounds": r.batch_rounds,
                     "learning": r.learning,
-                    # [prompt index, seconds into the load at its answer, its mean accepted tokens per round]
-                    "acceptance": [[i, *r.acceptance[i]] for i in sorted(r.acceptance)],
+                    "answers": [  # in the order answered
+                        {"prompt": i, "answered_s": round(at, 3), "mean_accepted_tokens": accepted}
+                        for i, (at, accepted) in sorted(r.acceptance.items(), key=lambda item: item[1])
+                    ],
                 }
                 for r in results
             ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -96,10 +97,16 @@ class Drafter:
         return None
 
     @classmethod
-    def draft_batch(cls, jobs: Sequence[DraftJob]) -> list[Draft]:
-        """The drafts of jobs whose drafters share a `batch_key`, as `propose` would draft each one (no stop rule):
-        here one after another; a drafter that batches its forwards overrides this."""
-        return [job.drafter.propose(job.context, job.k, job.params, job.generator) for job in jobs]
+    def draft_batch(cls, jobs: Sequence[DraftJob]) -> list[tuple[Draft, float]]:
+        """The drafts of jobs whose drafters share a `batch_key`, as `propose` would draft each one (no stop rule),
+        each with the seconds it is charged: here one after another; a drafter that shares forwards overrides
+        this."""
+        out = []
+        for job in jobs:
+            started = time.perf_counter()
+            draft = job.drafter.propose(job.context, job.k, job.params, job.generator)
+            out.append((draft, time.perf_counter() - started))
+        return out
 
 
 class DraftBuilder:
@@ -138,14 +145,15 @@ def draft_autoregressively(
 ) -> Draft:
     """A model drafter's draft: up to k tokens, each drawn from next_q(sequence so far), one forward per call; the
     stop rule may end it before token j is drawn or after it (`StopRule`)."""
-    built = DraftBuilder()
+    seq, built = list(context), DraftBuilder()
     for j in range(k):
-        q = next_q(context + built.tokens)
+        q = next_q(seq)
         built.forwards += 1
         if stop is not None and stop.before(j, q):
             break
-        built.add(q, pick(q, params, generator))
-        if stop is not None and j + 1 < k and stop.after(j, q, built.tokens[-1]):
+        seq.append(pick(q, params, generator))
+        built.add(q, seq[-1])
+        if stop is not None and j + 1 < k and stop.after(j, q, seq[-1]):
             break
     return built.draft()
 

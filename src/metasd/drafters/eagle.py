@@ -28,12 +28,12 @@ import torch
 from transformers import DynamicCache
 
 from ..cached_model import CachedModel, common_prefix, feature_columns
-from ..draft import Draft
+from ..draft import Draft, DraftJob
 from ..models.eagle_head import EagleHead, fits, load_head
 from ..models.int8_weights import WEIGHTS, int8_twin, route_rows, split_weights, synchronize
 from ..models.linear_kernels import KERNELS, install
 from ..sampling import SamplingParams, pick, probabilities
-from .base import AutoregressiveDrafter, DraftBuilder, DraftJob
+from .base import AutoregressiveDrafter, DraftBuilder
 from .suffix import SHARED as SHARED_KEY
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # package data: a directory per shipped head
@@ -225,11 +225,8 @@ class EagleDrafter(AutoregressiveDrafter):
         """None before the target has verified the context (a request's first round: no features of the prompt yet).
         The first call catches the head up on the context; each later one feeds the token just drafted with the
         head's own predicted feature of its position."""
-        if self.target_lm is None:
-            raise RuntimeError(f"{self.name}: no target cache attached (Decoder does it; see read_features_from)")
-        self._follow_learning()
-        features = self.target_lm.features_for(context)
-        if len(context) < 2 or features.shape[0] < len(context) - 1:
+        features = self._features(context)
+        if features is None:
             return None
         state = {"hidden": None}
 
@@ -242,41 +239,67 @@ class EagleDrafter(AutoregressiveDrafter):
 
         return q
 
-    def batch_key(self) -> int:
-        """The head this fork's next draft runs on (after adopting a newly learned one): forks of one head draft
-        together in a batch."""
+    def _features(self, context: list[int]) -> torch.Tensor | None:
+        """The target's features of the context, once this fork follows the learner (`_follow_learning`); None
+        before the target has verified the context."""
+        if self.target_lm is None:
+            raise RuntimeError(f"{self.name}: no target cache attached (Decoder does it; see read_features_from)")
         self._follow_learning()
-        return id(self.head)
+        features = self.target_lm.features_for(context)
+        return None if len(context) < 2 or features.shape[0] < len(context) - 1 else features
+
+    def batch_key(self) -> int:
+        """Forks of one drafter draft together in a batch (those drafting with different learned heads, per
+        history key, are told apart in `draft_batch`)."""
+        return id(self._base[0])
 
     @classmethod
+    def draft_batch(cls, jobs: Sequence[DraftJob]) -> list[tuple[Draft, float]]:
+        """Forks drafting with the same head (the same learned version, if they learn) draft together
+        (`_draft_rows`), each draft with the seconds it is charged; a fork that cannot draft yet drafts nothing."""
+        out: list[tuple[Draft, float] | None] = [None] * len(jobs)
+        by_head: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for i, job in enumerate(jobs):
+            started = time.perf_counter()
+            features = job.drafter._features(job.context)
+            if features is None or job.k <= 0:
+                out[i] = (Draft([], None, [], 0), time.perf_counter() - started)
+            else:
+                by_head.setdefault(id(job.drafter.head), []).append((i, features))
+        for rows in by_head.values():
+            drafted = cls._draft_rows([jobs[i] for i, _ in rows], [features for _, features in rows])
+            for (i, _), one in zip(rows, drafted, strict=True):
+                out[i] = one
+        return out
+
+    @staticmethod
     @torch.inference_mode()
-    def draft_batch(cls, jobs: Sequence[DraftJob]) -> list[Draft]:
+    def _draft_rows(jobs: Sequence[DraftJob], features: Sequence[torch.Tensor]) -> list[tuple[Draft, float]]:
         """Forks of one head drafting for several requests: each catches up on its own context (its own cache and
-        length), then every draft step runs once for all rows. The rows' head caches are laid side by side, each
-        padded to the longest and the padding masked, and every row sits at its own positions, so a row computes
-        what it computes alone; the step's entries are not kept (the next catch-up drops them as it does alone).
-        A head on int8 weights routed for one-row steps (`_route`) runs these several-row steps on its float
-        weights."""
+        length, charged to it), then every draft step runs once for all rows (charged to the rows still drafting).
+        The rows' head caches are laid side by side, each padded to the longest and the padding masked, and every
+        row sits at its own positions, so a row computes what it computes alone; the steps' entries are not kept
+        (the next catch-up drops them as it does alone). A head on int8 weights routed for one-row steps (`_route`)
+        runs these several-row steps on its float weights."""
         forks = [job.drafter for job in jobs]
         built = [DraftBuilder() for _ in jobs]
-        hidden, lengths, live = [], [], []
+        seconds = [0.0] * len(jobs)
+        hidden = []
         for i, (fork, job) in enumerate(zip(forks, jobs, strict=True)):
-            features = fork.target_lm.features_for(job.context)
-            if job.k <= 0 or len(job.context) < 2 or features.shape[0] < len(job.context) - 1:
-                continue  # no draft now (as `next_q` answers None)
-            hidden.append(fork._catch_up(job.context, features))
-            lengths.append(fork.cache.get_seq_length())
-            live.append(i)
-        if not live:
-            return [b.draft() for b in built]
-        lead = forks[live[0]]
+            started = time.perf_counter()
+            hidden.append(fork._catch_up(job.context, features[i]))
+            seconds[i] += time.perf_counter() - started
+        lead, steps = forks[0], max(job.k for job in jobs)
         state = torch.cat(hidden)  # [B, d]: each row's output at its last entry
-        cache, mask = lead._side_by_side([forks[i].cache for i in live], lengths)
-        positions = torch.tensor(lengths, device=state.device)[:, None]
-        for j in range(max(jobs[i].k for i in live)):
+        lengths = [fork.cache.get_seq_length() for fork in forks]
+        if steps > 1:
+            cache, mask = lead._side_by_side([fork.cache for fork in forks], lengths)
+            positions = torch.tensor(lengths, device=state.device)[:, None]
+        for j in range(steps):
+            started = time.perf_counter()
             if j:
-                tokens = torch.tensor([[built[i].tokens[-1]] for i in live], device=state.device)
-                step_mask = torch.cat([mask, mask.new_zeros(len(live), 1, 1, j)], dim=-1)
+                tokens = torch.tensor([[b.tokens[-1]] for b in built], device=state.device)
+                step_mask = torch.cat([mask, mask.new_zeros(len(jobs), 1, 1, j)], dim=-1)
                 state = lead.head(
                     state.unsqueeze(1),
                     lead.embed(tokens),
@@ -285,13 +308,14 @@ class EagleDrafter(AutoregressiveDrafter):
                     attention_mask=step_mask,
                 )[:, -1]
             logits = lead._logits(state)
-            for row, i in enumerate(live):
-                job = jobs[i]
-                if j < job.k:
-                    q = probabilities(logits[row : row + 1], job.params)[0]
-                    built[i].forwards += 1
-                    built[i].add(q, pick(q, job.params, job.generator))
-        return [b.draft() for b in built]
+            drafting = [i for i, job in enumerate(jobs) if j < job.k]
+            for i in drafting:
+                q = probabilities(logits[i : i + 1], jobs[i].params)[0]
+                built[i].forwards += 1
+                built[i].add(q, pick(q, jobs[i].params, jobs[i].generator))
+            for i in drafting:
+                seconds[i] += (time.perf_counter() - started) / len(drafting)
+        return [(b.draft(), t) for b, t in zip(built, seconds, strict=True)]
 
     def _side_by_side(self, caches: list[DynamicCache], lengths: list[int]) -> tuple[DynamicCache, torch.Tensor]:
         """One cache holding each row's entries at [0, length), zeros after up to the longest, and the additive
