@@ -118,6 +118,10 @@ def test_a_head_learns_its_traffic_and_is_swapped_in_only_when_it_measures_bette
     assert (tmp_path / "shared" / "learning.jsonl").read_text().count("\n") == 1
     assert learner.stats()["keys"]["shared"]["version"] == 1
 
+    (tmp_path / "shared" / "head.safetensors").write_bytes(b"cut short")  # the process died while writing it
+    restarted = HeadLearner(decoder.drafters[spec], decoder.target, SMALL, tmp_path)  # serving starts all the same
+    assert restarted.current("") == (0, None)
+
 
 def test_the_buffer_never_exceeds_its_cap():
     buffer = TrafficBuffer(100)
@@ -212,3 +216,31 @@ def test_the_trainer_waits_for_a_gap_between_requests(embedded, head_dir):
     finally:
         learner.close()
     assert not learner._thread.is_alive()
+
+
+def test_the_trainers_thread_count_leaves_the_servers_alone(embedded, head_dir, monkeypatch):
+    """The trainer runs one torch thread, and torch starts each thread from a process-wide default that setting it
+    moves: the server's decoding thread keeps the count the process had when the server was made."""
+    spec = f"eagle:{head_dir}"
+    decoder = Decoder(drafters=[spec], policy=f"fixed:{spec}", draft_len=2)
+    seen = []
+    original = Batch.step
+
+    def step(batch):
+        seen.append(torch.get_num_threads())
+        return original(batch)
+
+    monkeypatch.setattr(Batch, "step", step)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        app = create_app(decoder, max_batch=2, learning=LearningConfig(train_every=1, steps=1, share=1.0))
+        (learner,) = app.state.learners
+        with TestClient(app) as client:
+            threading.Event().wait(0.5)  # the trainer thread has started and set its own count
+            assert learner._thread.is_alive()
+            r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {2}

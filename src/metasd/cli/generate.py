@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> None:
     finally:
         for learner in learners:
             learner.close()
-            learner.learn_due()  # what arrived since its last round, before the process ends
+    for learner in learners:  # what arrived since its last round, before the process ends (not after a failure)
+        learner.learn_due()
 
 
 def _generate(args: argparse.Namespace, decoder, prompts: list[str]) -> None:

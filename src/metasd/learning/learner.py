@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -164,6 +165,8 @@ class HeadLearner:
     def learn_due(self) -> list[dict]:
         """In the calling thread, a round of learning for every key with `train_every` new tokens (what a prompt
         file leaves after its last request, once `close` stopped the thread); their records."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"{self.name}: the trainer thread is still running (close() it first)")
         self._stop.clear()
         out = []
         while (key := self._due()) is not None:
@@ -180,8 +183,9 @@ class HeadLearner:
 
     def _run(self) -> None:
         torch.set_num_threads(self.config.threads)  # this thread's own: serving keeps its threads
-        with contextlib.suppress(AttributeError, OSError):  # at 19, the lowest, it gets what serving leaves
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.nice)
+        if sys.platform.startswith("linux"):  # a thread's own niceness: Linux's (elsewhere it would be a process's)
+            with contextlib.suppress(OSError):  # at 19, the lowest, it gets what serving leaves
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.nice)
         while not self._stop.is_set():
             with self._lock:
                 key = self._due()
@@ -344,7 +348,11 @@ class HeadLearner:
         """Each key's last saved head and its version, from an earlier run with this directory."""
         for sub in sorted(directory.glob("*/config.json")):
             key = _key_of(sub.parent.name)
-            saved = load_head(sub.parent, self.target.model)
+            try:
+                saved = load_head(sub.parent, self.target.model)
+            except ValueError as err:  # cut short (the process died mid-write) or for another target: start over
+                log.warning("%s: not resuming %s (%s); its key starts from the loaded head", self.name, sub.parent, err)
+                continue
             if not torch.equal(saved.head.draft_vocab, self.base.draft_vocab):
                 raise ValueError(f"{sub.parent} holds a head of another draft vocabulary than {self.name}'s")
             state = self._state(key)

@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..batching import DEFAULT_PREFILL_SHARE
 from ..batching.batch import Batch
 from ..engine import Decoder, Generation
@@ -119,6 +121,7 @@ class DecodingWorker:
         self._ended = False  # the worker left its loop (stopped, or died): nothing queued would ever run
         self._lock = threading.Lock()  # orders submit against the worker's last drain of the queue
         self._thread = threading.Thread(target=self._loop, name="metasd-engine", daemon=True)
+        self.threads = torch.get_num_threads()  # the process's setting now, before any learner's trainer starts
         metrics.waiting.set_function(lambda: self.waiting)
         metrics.running.set_function(lambda: len(self.batch))
 
@@ -188,6 +191,10 @@ class DecodingWorker:
         )
 
     def _loop(self) -> None:
+        # torch's intra-op threads are per thread, each initialised from a process-wide default at its first parallel
+        # op, and a trainer thread setting its own count (metasd.learning) moves that default: pin this thread's
+        torch.get_num_threads()
+        torch.set_num_threads(self.threads)
         try:
             while self._admit():
                 if self.batch:
