@@ -134,6 +134,9 @@ def test_the_buffer_never_exceeds_its_cap():
         buffer.add(torch.arange(n), torch.ones(n, 4), prompt=5)
     held, train = buffer.split(0.25)
     assert len(held) == 1 and len(train) == 2 and held[0] is buffer.sequences[-1]
+    window = TrafficBuffer(100, longest=40)  # training's window: a long request keeps its end, where its answer is
+    window.add(torch.arange(60), torch.ones(60, 4), prompt=50)
+    assert window.sequences[0].tokens.tolist() == list(range(20, 60)) and window.sequences[0].prompt == 30
 
 
 def test_history_off_collects_nothing_and_keys_never_cross(embedded, head_dir):

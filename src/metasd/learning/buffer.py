@@ -17,12 +17,14 @@ from ..specialists.eagle_corpus import TokenFeatures
 
 class TrafficBuffer:
     """Sequences (`TokenFeatures`: tokens, features, prompt length) of finished requests, oldest first, at most
-    `cap_tokens` tokens in all (a sequence longer than the cap keeps its last `cap_tokens`)."""
+    `cap_tokens` tokens in all; a sequence keeps its last `longest` tokens at most (training's window: a long
+    prompt cut from its start leaves the answer, what drafting is judged on; the features carry the context)."""
 
-    def __init__(self, cap_tokens: int):
-        if cap_tokens < 2:
-            raise ValueError(f"a traffic buffer needs room for at least 2 tokens, got {cap_tokens}")
+    def __init__(self, cap_tokens: int, longest: int | None = None):
+        if cap_tokens < 2 or (longest is not None and longest < 2):
+            raise ValueError(f"a traffic buffer keeps at least 2 tokens, got a cap of {cap_tokens}, longest {longest}")
         self.cap_tokens = cap_tokens
+        self.longest = cap_tokens if longest is None else min(longest, cap_tokens)
         self.sequences: deque[TokenFeatures] = deque()
         self.tokens = 0  # held now
         self.added = 0  # ever added: what "new since the last training" counts from
@@ -31,7 +33,7 @@ class TrafficBuffer:
         """Append a request's tokens [n] and features [n, D]; drop the oldest sequences past the cap."""
         if len(tokens) != len(features):
             raise ValueError(f"{len(tokens)} tokens and {len(features)} feature rows")
-        cut = max(0, len(tokens) - self.cap_tokens)
+        cut = max(0, len(tokens) - self.longest)
         seq = TokenFeatures(tokens[cut:].clone(), features[cut:].clone(), max(0, prompt - cut))
         self.sequences.append(seq)
         self.tokens += len(seq.tokens)

@@ -282,7 +282,7 @@ class HeadLearner:
 
     def _state(self, key: str) -> _KeyState:
         if key not in self.keys:
-            self.keys[key] = _KeyState(TrafficBuffer(self.config.buffer_tokens))
+            self.keys[key] = _KeyState(TrafficBuffer(self.config.buffer_tokens, self.train_config.max_length))
         return self.keys[key]
 
     def stats(self) -> dict:
