@@ -383,8 +383,8 @@ class Generation:
         return None if free else DraftJob(self.pool[arm], self.context, state.k, self.params, self._generator)
 
     def draft(self, state: RoundState, stop_rules: bool = True, drafted: tuple[Draft, float] | None = None) -> None:
-        """The chosen drafter drafts (its stop rule may end it early: stop_rules; or a batch `drafted` it, with this
-        request's share of the seconds), a free drafter may continue it, a tree may grow (`metasd.drafting`)."""
+        """The chosen drafter drafts (its stop rule may end it early: stop_rules; or a batch `drafted` it, with the
+        seconds this request is charged), a free drafter may continue it, a tree may grow (`metasd.drafting`)."""
         pool, policy, params, arm = self.pool, self.policy, self.params, state.arm
         if drafted is None:
             started = time.perf_counter()
@@ -392,7 +392,7 @@ class Generation:
                 pool, policy, arm, state.k, self.context, state.proposals, params, self._generator, stop_rules
             )
             drafted = (draft, time.perf_counter() - started)
-        draft, seconds = drafted  # a batch's draft: the clock's drafting span is this request's share
+        draft, seconds = drafted  # in a batch, the clock's drafting span is what this request is charged
         state.clock.drafted = time.perf_counter()
         state.clock.chosen = state.clock.drafted - seconds
         state.draft, state.extension = continued_draft(

@@ -2,15 +2,15 @@
 
 A batch round yields sum_i E_i tokens (E_i = 1 + the expected accepted tokens of request i's draft) in T(B, W) +
 sum_i D_i seconds: one target forward over B rows padded to the widest row W = 1 + max_i k_i (`costs.BatchCost`,
-measured), plus every request's drafting (forks of one EAGLE head draft together, each charged its share:
-`round.drafts_together`). Each request's policy offers its options (`AdaptivePolicy.options`: expected tokens and
-drafting time per drafter and length); coordinate ascent then gives each request in turn its best option given the
-others' (k = 0 always among them) until no request changes, which maximises the batch's rate locally and ends
-because the rate only grows. With a flat T every request drafts as it would alone; with T growing in B x W, one
-request's longer draft widens every row, and drafting fades as the batch fills, then returns as it empties, without
-thresholds. A request changes its choice only for a strictly better batch rate, so the decision does not flip
-between equal options round after round. Policies without options (the paper's bandits) keep their own (drafter, k),
-which only sets the width they need."""
+measured), plus every request's drafting (forks of one EAGLE head draft together, each charged its own catch-up and
+its share of the steps: `round.drafts_together`). Each request's policy offers its options
+(`AdaptivePolicy.options`: expected tokens and drafting time per drafter and length); coordinate ascent then gives
+each request in turn its best option given the others' (k = 0 always among them) until no request changes, which
+maximises the batch's rate locally and ends because the rate only grows. With a flat T every request drafts as it
+would alone; with T growing in B x W, one request's longer draft widens every row, and drafting fades as the batch
+fills, then returns as it empties, without thresholds. A request changes its choice only for a strictly better batch
+rate, so the decision does not flip between equal options round after round. Policies without options (the paper's
+bandits) keep their own (drafter, k), which only sets the width they need."""
 
 from __future__ import annotations
 

@@ -262,7 +262,7 @@ class EagleDrafter(AutoregressiveDrafter):
         for i, job in enumerate(jobs):
             started = time.perf_counter()
             features = job.drafter._features(job.context)
-            if features is None or job.k <= 0:
+            if features is None:
                 out[i] = (Draft([], None, [], 0), time.perf_counter() - started)
             else:
                 by_head.setdefault(id(job.drafter.head), []).append((i, features))
