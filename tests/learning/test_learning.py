@@ -118,9 +118,26 @@ def test_a_head_learns_its_traffic_and_is_swapped_in_only_when_it_measures_bette
     assert (tmp_path / "shared" / "learning.jsonl").read_text().count("\n") == 1
     assert learner.stats()["keys"]["shared"]["version"] == 1
 
-    (tmp_path / "shared" / "head.safetensors").write_bytes(b"cut short")  # the process died while writing it
+    saved = tmp_path / "shared"
+    assert (saved / "current").read_text().strip() == "head-v1" and (saved / "head-v1" / "config.json").is_file()
+    (saved / "head-v2").mkdir()  # the process died while writing the next version: `current` still names v1
+    (saved / "head-v2" / "config.json").write_text("{")
+    assert HeadLearner(decoder.drafters[spec], decoder.target, SMALL, tmp_path).current("")[0] == 1
+    (saved / "head-v1" / "head.safetensors").write_bytes(b"cut short")  # the disk lost it
     restarted = HeadLearner(decoder.drafters[spec], decoder.target, SMALL, tmp_path)  # serving starts all the same
     assert restarted.current("") == (0, None)
+
+
+def test_a_learned_head_resumes_only_for_the_head_it_grew_from(embedded, head_dir, tmp_path):
+    spec = f"eagle:{head_dir}"
+    decoder = Decoder(drafters=[spec, "eagle"], policy=f"fixed:{spec}", draft_len=4)
+    learner = HeadLearner(decoder.drafters[spec], decoder.target, SMALL, tmp_path)
+    decoder.drafters[spec].learn_from(learner)
+    _fill(decoder, spec, times=4)
+    assert learner.learn_now()["swapped"]
+    assert HeadLearner(decoder.drafters[spec], decoder.target, SMALL, tmp_path).current("")[0] == 1
+    other = HeadLearner(decoder.drafters["eagle"], decoder.target, SMALL, tmp_path)  # the shipped head's learner
+    assert other.current("") == (0, None)  # the directory's head grew from another head: not resumed
 
 
 def test_the_buffer_never_exceeds_its_cap():
@@ -132,11 +149,54 @@ def test_the_buffer_never_exceeds_its_cap():
     assert buffer.sequences[0].prompt == 0 and buffer.added == 230  # tokens kept when added
     for n in (30, 30, 30):
         buffer.add(torch.arange(n), torch.ones(n, 4), prompt=5)
-    held, train = buffer.split(0.25)
+    held, train, mark = buffer.split(0.25)
     assert len(held) == 1 and len(train) == 2 and held[0] is buffer.sequences[-1]
     window = TrafficBuffer(100, longest=40)  # training's window: a long request keeps its end, where its answer is
     window.add(torch.arange(60), torch.ones(60, 4), prompt=50)
     assert window.sequences[0].tokens.tolist() == list(range(20, 60)) and window.sequences[0].prompt == 30
+
+
+def test_held_out_sequences_were_never_trained_on_by_the_head_in_service():
+    buffer = TrafficBuffer(1000)
+
+    def add(*lengths):
+        for n in lengths:
+            buffer.add(torch.full((n,), n), torch.ones(n, 4), prompt=2)
+
+    add(40, 41, 42, 43)
+    held, train, mark = buffer.split(0.5)
+    assert [len(s.tokens) for s in held] == [42, 43] and [len(s.tokens) for s in train] == [40, 41]
+    assert [len(s.tokens) for s in buffer.split(0.5)[0]] == [42, 43]  # no swap yet: still unseen by the head in service
+    buffer.mark_trained(mark)  # a head trained on 40 and 41 is in service
+    add(44)  # one new sequence: a share of 0.5 would reach back into the trained ones
+    held, train, mark = buffer.split(0.5)
+    assert [len(s.tokens) for s in held] == [42, 43, 44] and [len(s.tokens) for s in train] == [40, 41]
+    buffer.mark_trained(mark)
+    buffer.mark_trained(1)  # an older mark never moves it back
+    add(45)
+    held, train, mark = buffer.split(0.9)  # a share past the fresh sequences: only they are held out
+    assert [len(s.tokens) for s in held] == [42, 43, 44, 45] and [len(s.tokens) for s in train] == [40, 41]
+    held, train, mark = buffer.split(0.2)
+    assert [len(s.tokens) for s in held] == [44, 45] and len(train) == 4
+    buffer.mark_trained(mark)
+    assert [len(s.tokens) for s in buffer.split(0.9)[0]] == [44, 45]
+    for _ in range(5):
+        buffer.drop_oldest()  # dropped: the count stays in step
+    assert buffer.split(0.5)[:2] == ([], [])  # one sequence left: nothing to train on
+
+
+def test_every_keys_buffers_together_keep_to_the_total_cap(embedded, head_dir):
+    spec = f"eagle:{head_dir}"
+    decoder = Decoder(drafters=[spec], policy=f"fixed:{spec}", draft_len=3)
+    learner = HeadLearner(decoder.drafters[spec], decoder.target, LearningConfig(buffer_tokens=100, total_tokens=150))
+    for i in range(12):
+        n = 20 + i
+        learner.collect(f"key-{i % 4}", torch.full((n,), n), torch.ones(n, 4), prompt=2)
+        held = {k: s.buffer.tokens for k, s in learner.keys.items()}
+        assert sum(held.values()) <= 150 and max(held.values()) <= 100
+    assert [learner.keys[f"key-{k}"].buffer.sequences[-1].tokens[0] for k in range(4)] == [28, 29, 30, 31]
+    with pytest.raises(ValueError, match="total cap"):
+        LearningConfig(total_tokens=1)
 
 
 def test_history_off_collects_nothing_and_keys_never_cross(embedded, head_dir):

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from metasd import Decoder, Draft
 from metasd.drafters.base import Drafter
+from metasd.serving.app import history_key
 from metasd.serving.background import running
 from metasd.serving.server import create_app
 from metasd.serving.stop_strings import _sendable
@@ -732,6 +733,12 @@ def test_history_per_key_keeps_clients_apart(strict):
     assert accepted(KEYS[1]) == alice_first  # bob sees none of it: as if no history existed
     assert httpx.get(f"{base}/v1/models", headers=key(KEYS[1])).status_code == 200
     assert httpx.get(f"{base}/v1/models", headers=key("sk-eve")).status_code == 401
+
+
+def test_a_clients_history_key_is_its_own_whatever_the_keys_order():
+    one, two = history_key("sk-alice"), history_key("sk-bob")
+    assert one != two and one == history_key("sk-alice") and one.startswith("key-")
+    assert "alice" not in one and len(one) == len("key-") + 16  # a hash: the key is never written out
 
 
 def test_history_scope_options_are_checked(embedded):

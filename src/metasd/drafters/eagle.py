@@ -157,6 +157,11 @@ class EagleDrafter(AutoregressiveDrafter):
         install(exact, [self.weights.partition(", ")[2]])
         return exact, exact, self.float_readout
 
+    @property
+    def loaded_head(self) -> EagleHead:
+        """The head as loaded (float weights), whatever a learner has swapped in since: what learning grows from."""
+        return self._base[1]
+
     def read_features_from(self, target_lm: CachedModel) -> None:
         """The decoder's target cache, whose features of verified positions the head reads: its blocks of d
         columns are the cache's `feature_layers`' outputs, then the final norm's; the head picks its own."""

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import os
 import random
 import re
+import shutil
 import sys
 import threading
 import time
@@ -52,6 +54,7 @@ class LearningConfig:
     it)."""
 
     buffer_tokens: int = 65_536
+    total_tokens: int | None = None
     train_every: int = 4_096
     held_out: float = 0.25
     steps: int = 32
@@ -74,6 +77,13 @@ class LearningConfig:
             raise ValueError("threads, steps and train_every must be >= 1, and unroll 1 .. 8")
         if not 0 <= self.nice <= 19:
             raise ValueError(f"nice must be 0 .. 19, got {self.nice}")
+        if self.total_tokens is not None and self.total_tokens < 2:
+            raise ValueError(f"the buffers' total cap must be at least 2 tokens, got {self.total_tokens}")
+
+    @property
+    def total_cap(self) -> int:
+        """Tokens every key's buffer may hold together."""
+        return 4 * self.buffer_tokens if self.total_tokens is None else self.total_tokens
 
 
 @dataclass
@@ -114,7 +124,8 @@ class HeadLearner:
         self.name = drafter.name
         self.config = config
         self.target = target
-        self.base = copy.deepcopy(drafter.exact_head).float().eval()
+        self.base = copy.deepcopy(drafter.loaded_head).float().eval()
+        self.base_fingerprint = fingerprint(self.base)
         self.embed = _FrozenEmbedding(target.model.get_input_embeddings())
         self.readout = target.model.get_output_embeddings().weight[self.base.draft_vocab].detach().float()
         self.train_config = TrainConfig(
@@ -144,7 +155,17 @@ class HeadLearner:
     def collect(self, key: str, tokens: torch.Tensor, features: torch.Tensor, prompt: int) -> None:
         with self._lock:
             self._state(key).buffer.add(tokens, features, prompt)
+            self._within_total_cap()
             self._lock.notify()
+
+    def _within_total_cap(self) -> None:
+        """Past `total_tokens` over every key, the fullest buffer gives up its oldest sequence, until the buffers
+        fit: each key keeps its newest traffic, and no number of keys grows memory without bound (caller holds the
+        lock)."""
+        total = sum(s.buffer.tokens for s in self.keys.values())
+        while total > self.config.total_cap:
+            fullest = max(self.keys.values(), key=lambda s: s.buffer.tokens)
+            total -= fullest.buffer.drop_oldest()
 
     # --- the trainer thread ---------------------------------------------------------------------------------------
 
@@ -219,7 +240,7 @@ class HeadLearner:
         cfg = self.config
         with self._lock:
             state = self._state(key)
-            held, train = state.buffer.split(cfg.held_out, cfg.held_out_max)
+            held, train, mark = state.buffer.split(cfg.held_out, cfg.held_out_max)
             state.trained_at = state.buffer.added
             serving = state.head if state.head is not None else self.base
         if not held or not train:
@@ -250,6 +271,7 @@ class HeadLearner:
         with self._lock:
             if swap:
                 state.head, state.version = candidate, state.version + 1
+                state.buffer.mark_trained(mark)
             record["version"] = state.version
             state.records.append(record)
         self._save(key, record, candidate if swap else None)
@@ -334,30 +356,68 @@ class HeadLearner:
         return {**{k: v for k, v in stats.items() if k != "keys"}, "key": _dir_name(key), **own, "curve": curve}
 
     def _save(self, key: str, record: dict, head: EagleHead | None) -> None:
+        """Append the round to the key's learning.jsonl; a head swapped in is written whole to its own directory
+        (`head-vN`) before `current` names it (written to a temporary file, then renamed over the old one), so a
+        process that dies mid-write leaves the head before it in service on restart; older versions are removed."""
         if self.directory is None:
             return
         out = self.directory / _dir_name(key)
         out.mkdir(parents=True, exist_ok=True)
         if head is not None:
-            training = {"learned_from_traffic": record, "config": asdict(self.config)}
-            save_head(out, head, self.target.spec, TargetCheck.of(self.target.model), training)
+            name = f"head-v{record['version']}"
+            training = {
+                "learned_from_traffic": record,
+                "base_head": self.base_fingerprint,
+                "config": asdict(self.config),
+            }
+            save_head(out / name, head, self.target.spec, TargetCheck.of(self.target.model), training)
+            pointer = out / "current.tmp"
+            pointer.write_text(name + "\n", encoding="utf-8")
+            os.replace(pointer, out / "current")
+            for old in out.glob("head-v*"):
+                if old.name != name and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
         with open(out / "learning.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     def _resume(self, directory: Path) -> None:
-        """Each key's last saved head and its version, from an earlier run with this directory."""
-        for sub in sorted(directory.glob("*/config.json")):
-            key = _key_of(sub.parent.name)
-            try:
-                saved = load_head(sub.parent, self.target.model)
-            except ValueError as err:  # cut short (the process died mid-write) or for another target: start over
-                log.warning("%s: not resuming %s (%s); its key starts from the loaded head", self.name, sub.parent, err)
-                continue
-            if not torch.equal(saved.head.draft_vocab, self.base.draft_vocab):
-                raise ValueError(f"{sub.parent} holds a head of another draft vocabulary than {self.name}'s")
-            state = self._state(key)
-            state.head = saved.head.float().eval()
-            state.version = int(saved.training.get("learned_from_traffic", {}).get("version", 1))
+        """Each key's last saved head and its version, from an earlier run with this directory: the one `current`
+        names, else the newest one readable; a head grown from another base head than this drafter's (another
+        `eagle:PATH`, a retrained head) is not resumed, nor is one cut short or made for another target."""
+        for sub in sorted(p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []:
+            for path in _saved_heads(sub):
+                try:
+                    saved = load_head(path, self.target.model)
+                    if saved.training.get("base_head") != self.base_fingerprint:
+                        raise ValueError(f"it grew from another head than {self.name}'s (base head fingerprint)")
+                    if not torch.equal(saved.head.draft_vocab, self.base.draft_vocab):
+                        raise ValueError(f"it has another draft vocabulary than {self.name}'s")
+                except ValueError as err:
+                    log.warning("%s: not resuming %s (%s)", self.name, path, err)
+                    continue
+                state = self._state(_key_of(sub.name))
+                state.head = saved.head.float().eval()
+                state.version = int(saved.training.get("learned_from_traffic", {}).get("version", 1))
+                break
+
+
+def fingerprint(head: EagleHead) -> str:
+    """SHA-256 of a head's weights as saved (float16): which head a learned one grew from."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.state_dict().items()):
+        value = tensor.detach().cpu()
+        value = value.to(torch.float16) if value.is_floating_point() else value
+        digest.update(name.encode())
+        digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _saved_heads(key_dir: Path) -> list[Path]:
+    """A key's saved heads, the one to resume first: the one `current` names, then the others newest first."""
+    pointer = key_dir / "current"
+    named = key_dir / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+    versions = sorted(key_dir.glob("head-v*"), key=lambda p: int(p.name[6:]) if p.name[6:].isdigit() else -1)
+    return ([named] if named is not None else []) + [p for p in reversed(versions) if p != named]
 
 
 def _served(record: dict) -> dict:
@@ -366,7 +426,8 @@ def _served(record: dict) -> dict:
 
 
 def _dir_name(key: str) -> str:
-    """A history key as a directory name: the shared history is `shared`, a client's key `key-N`."""
+    """A history key as a directory name: the shared history is `shared`, a client's key as it is (`key-` and a
+    hash of its API key, `serving.app.history_key`)."""
     return "shared" if key == SHARED_KEY else re.sub(r"[^A-Za-z0-9_.-]", "_", key)
 
 

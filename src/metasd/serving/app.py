@@ -5,6 +5,7 @@ the app's settings on `request.app.state`; the event loop only validates, queues
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import time
@@ -173,7 +174,15 @@ async def authorize(request: Request) -> None:
             kind="authentication_error",
         )
     if history_scope == "per-key":
-        request.state.history = f"key-{matches.index(True)}"
+        request.state.history = history_key(keys[matches.index(True)])
+
+
+def history_key(api_key: str) -> str:
+    """A client's history key under `--history-scope per-key`: a hash of its API key (BLAKE2b, 8 bytes), the same
+    whatever the key's place in `--api-key` and across restarts, so a learned head saved under it (`--learn-heads`)
+    returns to its own client only; the key itself is never written anywhere."""
+    digest = hashlib.blake2b(api_key.encode(), digest_size=8, person=b"metasd-history").hexdigest()
+    return f"key-{digest}"
 
 
 probes = APIRouter()  # unauthenticated: load balancers and Prometheus poll these

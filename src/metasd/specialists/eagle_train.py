@@ -146,14 +146,25 @@ def _batches(seqs: TrainingSequences, cfg: TrainConfig, rng: random.Random) -> l
 
 
 def _pass_loss(
-    pred: torch.Tensor, want: torch.Tensor, target_p: torch.Tensor, readout: torch.Tensor, cfg: TrainConfig
+    pred: torch.Tensor,
+    want: torch.Tensor,
+    target_p: torch.Tensor,
+    target_top: torch.Tensor,
+    readout: torch.Tensor,
+    counted: torch.Tensor | None,
+    cfg: TrainConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, feature loss, token loss, per-row agreement of the argmax with the target's) for predicted features
-    [N, d] against true ones [N, d] and the target's distributions over the draft vocabulary [N, Vd]."""
-    feature_loss = torch.nn.functional.smooth_l1_loss(pred, want)
+    [N, d] against true ones [N, d] and the target's distributions over the draft vocabulary [N, Vd] (argmax
+    `target_top` [N]), averaged over the rows `counted` (all when None): every pass reads the same target rows,
+    so none is copied out per pass."""
+    feature = torch.nn.functional.smooth_l1_loss(pred, want, reduction="none").mean(-1)
     logq = torch.log_softmax(pred @ readout.T, dim=-1)
-    token_loss = -(target_p * logq).sum(-1).mean()
-    agree = logq.argmax(-1) == target_p.argmax(-1)
+    token = -(target_p * logq).sum(-1)
+    agree = logq.argmax(-1) == target_top
+    if counted is not None:
+        feature, token, agree = feature[counted], token[counted], agree[counted]
+    feature_loss, token_loss = feature.mean(), token.mean()
     return cfg.feature_weight * feature_loss + cfg.token_weight * token_loss, feature_loss, token_loss, agree
 
 
@@ -219,7 +230,8 @@ def head_loss(
     mask = masks[0]
     want = feats[:, 1:, -head.config.hidden_size :][mask]  # the final norm's output: what the readout reads
     target_p = torch.softmax(want @ readout.T, dim=-1)
-    loss, feature_loss, token_loss, agree = _pass_loss(preds[0][mask], want, target_p, readout, cfg)
+    target_top = target_p.argmax(-1)
+    loss, feature_loss, token_loss, agree = _pass_loss(preds[0][mask], want, target_p, target_top, readout, None, cfg)
     metrics = {"feature": feature_loss.item(), "token": token_loss.item(), "top1": agree.float().mean().item()}
     chain = torch.zeros_like(mask)
     chain[mask] = agree
@@ -227,7 +239,7 @@ def head_loss(
         if not counted.any():  # sequences too short for this many steps
             break
         rows = counted[mask]  # this pass's rows among the first's: the same targets, computed once
-        loss_s, _, _, agree_s = _pass_loss(pred[counted], want[rows], target_p[rows], readout, cfg)
+        loss_s, _, _, agree_s = _pass_loss(pred[mask], want, target_p, target_top, readout, rows, cfg)
         loss = loss + loss_s
         right = torch.zeros_like(mask)
         right[counted] = agree_s
