@@ -162,6 +162,30 @@ def test_training_resumes_from_its_checkpoint_where_it_stopped(tiny_target, tmp_
         assert torch.equal(a, b), name
 
 
+def test_a_phase_starts_from_the_head_before_it_and_reads_text_it_did_not(tiny_target, tmp_path):
+    from metasd.cli.train_eagle import _after_tokens, _first_tokens
+    from metasd.models.loading import load_model
+
+    target = load_model(tiny_target)
+    write_corpus(target, encode_prompts(target.tokenizer, chat(PROMPTS), 64), tmp_path / "corpus", max_new_tokens=6)
+    seqs = StoredSequences(read_corpus(tmp_path / "corpus"))
+    first = TrainConfig(epochs=2, batch_tokens=64, draft_vocab=256, unroll=2)
+    train_head(target, seqs, tmp_path / "one", first)
+    before = load_head(tmp_path / "one").head
+    again = TrainConfig(epochs=0.01, lr=0.0, batch_tokens=64, draft_vocab=64, unroll=2)  # a learning rate of 0
+    record = train_head(target, seqs, tmp_path / "two", again, held_out=seqs, init=before)
+    after = load_head(tmp_path / "two").head
+    assert torch.equal(after.draft_vocab, before.draft_vocab)  # the head's own vocabulary, not a new 64
+    for (name, a), (_, b) in zip(before.state_dict().items(), after.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name  # it started, and stayed, where the first phase ended
+    assert record["held_out"]["sequences"] == len(seqs)
+    with pytest.raises(ValueError, match="reads layers"):
+        train_head(target, seqs, tmp_path / "four", TrainConfig(unroll=2, feature_layers=(0,)), init=before)
+    documents = [[1] * 5, [2] * 7, [3] * 4, [4] * 9]
+    assert _first_tokens(documents, 10) == documents[:2] and _after_tokens(documents, 10) == documents[2:]
+    assert _after_tokens(documents, 0) == documents and _after_tokens(documents, 100) == []
+
+
 def test_documents_are_read_whole_in_one_prefill(tiny_target, texts_file, tmp_path):
     from metasd.models.loading import load_model
 

@@ -58,6 +58,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="every N steps, write the head to OUT and its held-out metrics to OUT/learning.jsonl",
     )
     p.add_argument("--texts-tokens", type=int, default=None, help="stop reading texts after this many tokens")
+    p.add_argument(
+        "--texts-skip-tokens",
+        type=int,
+        default=0,
+        help="first skip the conversations that hold this many tokens (a later phase reads text an earlier one did "
+        "not: give it the earlier phase's --texts-tokens)",
+    )
     p.add_argument("--max-text-tokens", type=int, default=1024, help="each conversation's first N tokens")
     p.add_argument("--corpus-tokens", type=int, default=None, help="stop writing the corpus after this many tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, help="target answer length (default: %(default)s)")
@@ -71,6 +78,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     """How the head trains: the schedule, the batches, the draft vocabulary, the unroll and the features."""
+    p.add_argument(
+        "--init",
+        default=None,
+        help="start from this head directory's weights and draft vocabulary (a later phase of a long training on "
+        "more data, or a domain's head grown from a general one) instead of a new head",
+    )
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the corpus (default: %(default)s)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine to 0 (default: %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded positions per step (default: %(default)s)")
@@ -135,6 +148,10 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.texts_skip_tokens < 0:
+        raise ValueError(f"--texts-skip-tokens must be >= 0, got {args.texts_skip_tokens}")
+    if args.texts_skip_tokens and not args.stream:
+        raise ValueError("--texts-skip-tokens reads texts streamed (--stream)")
     if args.feature_layers != "none" and args.unroll < 2:
         raise ValueError(
             "--feature-layers needs --unroll 2 or more: from its second draft token on, a head reads its own "
@@ -188,7 +205,8 @@ def _streamed_texts(args: argparse.Namespace, target) -> tuple[dict, list]:
 
     from ..specialists.eagle_corpus import TokenFeatures, encode_documents
 
-    documents = _first_tokens(encode_documents(target.tokenizer, args.texts, args.max_text_tokens), args.texts_tokens)
+    documents = encode_documents(target.tokenizer, args.texts, args.max_text_tokens)
+    documents = _first_tokens(_after_tokens(documents, args.texts_skip_tokens), args.texts_tokens)
     texts = {"sequences": len(documents), "tokens": sum(map(len, documents)), "streamed": True}
     return texts, [TokenFeatures(torch.tensor(d, dtype=torch.int32), torch.zeros(0)) for d in documents]
 
@@ -216,6 +234,7 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
     """Train the head on `seqs` (and report on --held-out), write it to OUT; its training summary."""
     from tqdm import tqdm
 
+    from ..models.eagle_head import load_head
     from ..specialists.eagle_corpus import read_corpus
     from ..specialists.eagle_prefill import PrefilledSequences
     from ..specialists.eagle_train import StoredSequences, TrainConfig, train_head
@@ -257,7 +276,13 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
             checkpoint=out / "checkpoint.pt",
             evaluate_every=args.evaluate_every,
             progress=trained,
+            init=None if args.init is None else load_head(args.init, target.model).head,
         )
+
+
+def _after_tokens(documents: list[list[int]], skip: int) -> list[list[int]]:
+    """The documents after those that bring their tokens to `skip` (what `_first_tokens(documents, skip)` took)."""
+    return documents[len(_first_tokens(documents, skip)) :] if skip > 0 else documents
 
 
 def _first_tokens(documents: list[list[int]], budget: int | None) -> list[list[int]]:

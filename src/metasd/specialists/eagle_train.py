@@ -14,6 +14,7 @@ of similar length; causal attention keeps real positions from ever seeing paddin
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -412,6 +413,7 @@ def train_head(
     save_every: int = 50,
     evaluate_every: int | None = None,
     progress: Callable[[int, int, dict], None] | None = None,
+    init: EagleHead | None = None,
 ) -> dict:
     """Train a head for `target` (a LoadedModel) on `seqs`, write it to `out`, and return its training summary.
 
@@ -420,13 +422,24 @@ def train_head(
     a run started with the same checkpoint path resumes from it and ends where an uninterrupted run would.
     Every evaluate_every steps the head is written to `out` and its held-out metrics appended to
     out/learning.jsonl (a learning curve, and a usable head while a long run goes on).
-    progress(step, steps, metrics) is called after each step (after its checkpoint)."""
+    progress(step, steps, metrics) is called after each step (after its checkpoint).
+    init: a head to start from (its weights and draft vocabulary; its fused layers must be `cfg`'s) instead of a new
+    one: a later phase of a long training, or a domain's head grown from a general one."""
     torch.manual_seed(cfg.seed)
     model = target.model
+    if init is not None and tuple(init.config.feature_layers) != tuple(cfg.feature_layers):
+        raise ValueError(
+            f"the head to start from reads layers {list(init.config.feature_layers)}, the training "
+            f"{list(cfg.feature_layers)}: train it with the --feature-layers it was made with"
+        )
     _check_config(cfg, model.config.hidden_size, seqs, held_out)
     held, seqs = (held_out, seqs) if held_out is not None else held_out_split(seqs)
-    vocab = draft_vocabulary(seqs, cfg.draft_vocab, target.vocab_size, target.eos_token_ids)
-    head = EagleHead(head_config_for(model, len(vocab), cfg.feature_layers), vocab)
+    if init is None:
+        vocab = draft_vocabulary(seqs, cfg.draft_vocab, target.vocab_size, target.eos_token_ids)
+        head = EagleHead(head_config_for(model, len(vocab), cfg.feature_layers), vocab)
+    else:
+        head = copy.deepcopy(init).float()
+        vocab = head.draft_vocab
     embed = model.get_input_embeddings().requires_grad_(False)  # the target's: gradients stop at the head
     readout = model.get_output_embeddings().weight[vocab].detach().float()
     steps_per_epoch = len(_batches(seqs, cfg, random.Random(0)))
