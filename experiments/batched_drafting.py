@@ -1,11 +1,12 @@
-"""What drafting together saves a batch: B requests decoding side by side with the shipped EAGLE head drafting k
-tokens for every row every round (`fixed:eagle`), its forks drafting together (one head step per drafted token for
-all rows, `EagleDrafter.draft_batch`) against one request after another (the same code with the forks' batch key
-withheld), alternating, the same Spec-Bench first turns each time. Reports the batch's wall time, its drafting
-seconds (every request's share summed) and tokens per second, and checks the outputs are the same either way.
+"""What drafting together saves a batch: B requests decoding side by side with one model drafter (the shipped
+EAGLE head by default, or an `lm:`/`early-exit:` drafter) drafting k tokens for every row every round
+(`fixed:DRAFTER`), its forks drafting together (one forward per drafted token for all rows, the drafter's
+`draft_batch`) against one request after another (the same code with the forks' batch key withheld), alternating,
+the same Spec-Bench first turns each time. Reports the batch's wall time, its drafting seconds (every request's
+share summed) and tokens per second, and checks the outputs are the same either way.
 
-Usage: METASD_SPEC_BENCH=question.jsonl python experiments/batched_drafting.py [--rows 8] [--tokens 64] [--k 4]
-    [--repeat 2]
+Usage: METASD_SPEC_BENCH=question.jsonl python experiments/batched_drafting.py [--drafter eagle] [--rows 8]
+    [--tokens 64] [--k 4] [--repeat 2] [--target SPEC] [--dtype DTYPE]
 """
 
 import argparse
@@ -15,13 +16,12 @@ from metasd.batching.batch import Batch
 from metasd.bench.load import first_turns
 from metasd.bench.questions import load_questions
 from metasd.bench.spec_bench import spec_bench_questions
-from metasd.drafters.eagle import EagleDrafter
 from metasd.engine import Decoder
 
 
 def run(decoder: Decoder, prompts: list[str], tokens: int, together: bool) -> tuple[float, float, int, list]:
     """(wall seconds, drafting seconds, tokens, outputs) of one batch decoding every prompt."""
-    EagleDrafter.batch_key = original if together else (lambda self: None)
+    kind.batch_key = original if together else (lambda self: None)
     batch = Batch(decoder, max_batch=len(prompts))
     requests = [decoder.stream(p, max_new_tokens=tokens) for p in prompts]
     for request in requests:
@@ -34,15 +34,21 @@ def run(decoder: Decoder, prompts: list[str], tokens: int, together: bool) -> tu
     return wall, drafting, sum(len(r.token_ids) for r in requests), [r.token_ids for r in requests]
 
 
-original = EagleDrafter.batch_key
 parser = argparse.ArgumentParser()
+parser.add_argument("--drafter", default="eagle")
+parser.add_argument("--target", default=None)
+parser.add_argument("--dtype", default="float32")
 parser.add_argument("--rows", type=int, default=8)
 parser.add_argument("--tokens", type=int, default=64)
 parser.add_argument("--k", type=int, default=4)
 parser.add_argument("--repeat", type=int, default=2)
 args = parser.parse_args()
 prompts = first_turns(load_questions(spec_bench_questions()), args.rows)
-decoder = Decoder(drafters=["eagle"], policy="fixed:eagle", draft_len=args.k)
+decoder = Decoder(
+    target=args.target, dtype=args.dtype, drafters=[args.drafter], policy=f"fixed:{args.drafter}", draft_len=args.k
+)
+kind = type(decoder.drafters[args.drafter])
+original = kind.batch_key
 run(decoder, prompts[:2], 8, True)  # warm-up
 outputs = {}
 for _ in range(args.repeat):

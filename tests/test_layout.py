@@ -73,7 +73,7 @@ LAYERS = [
     ("metasd.draft", "metasd.sampling", "metasd.stats", "metasd.processors"),  # records and sampling
     ("metasd.tree", "metasd.outcome"),  # a round's draft tree and what it yielded
     ("metasd.verify", "metasd.round", "metasd.models"),  # acceptance rules, a round's state, loading models
-    ("metasd.cached_model", "metasd.costs"),  # the target's cache, the machine's costs
+    ("metasd.cached_model", "metasd.slots", "metasd.costs"),  # a model's caches (one sequence, rows), the costs
     ("metasd.drafters",),
     ("metasd.policy",),
     ("metasd.drafting", "metasd.engine"),  # one request's round

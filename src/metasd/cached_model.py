@@ -92,7 +92,7 @@ def feature_tap(model: torch.nn.Module, layers: Sequence[int] = ()) -> Iterator[
 class TargetCache(Protocol):
     """A request's handle in the target's KV cache, which mirrors a token list (it keeps the cached prefix a new
     context shares and feeds the rest: no caller crops): `CachedModel` for a request decoding alone (its own
-    `round.Verifier`), a batch's row (`batching.slots.Row`, verified by `BatchedTarget`) for one of many."""
+    `round.Verifier`), a batch's row (`slots.Row`, verified by `BatchedTarget`) for one of many."""
 
     fed_tokens: int  # tokens fed to the model so far (a prefill shows as more than a round's tree)
     keep_features: bool
@@ -242,11 +242,13 @@ class CachedModel:
     def _logits(self, out) -> torch.Tensor:
         logits = out.logits[0].float().cpu()  # the acceptance rule works on the CPU (see __init__)
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
-            logits = _fit(logits, self.vocab_size)
+            logits = fit_vocab(logits, self.vocab_size)
         return logits
 
 
-def _fit(logits: torch.Tensor, size: int) -> torch.Tensor:
+def fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """Logits [n, V'] as [n, size]: a drafter's larger vocabulary cut to the target's, a smaller one padded with
+    -inf (its q is 0 there)."""
     if logits.shape[-1] > size:
         return logits[:, :size]
     pad = torch.full((logits.shape[0], size - logits.shape[-1]), float("-inf"))

@@ -16,11 +16,11 @@ import metasd.engine as engine
 from metasd import Decoder
 from metasd.batching.batch import Batch
 from metasd.batching.decision import Plan, decide
-from metasd.batching.slots import BatchedTarget
 from metasd.cached_model import CachedModel
 from metasd.drafters.eagle import EagleDrafter
 from metasd.models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
 from metasd.policy.adaptive import AdaptivePolicy, Option
+from metasd.slots import BatchedTarget
 
 PROMPTS = [
     "Write a python function that reverses a list.",

@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from metasd.batching.slots import BatchedTarget, check_batched_logits
 from metasd.cached_model import CachedModel
 from metasd.drafters.base import Draft
 from metasd.models.loading import context_length
+from metasd.slots import BatchedTarget, check_batched_logits
 from metasd.tree import DraftTree
 
 
@@ -265,7 +265,7 @@ _PEAK = """
 import resource, sys, torch
 sys.path.insert(0, {tests!r})
 from helpers import tiny_llama
-from metasd.batching.slots import BatchedTarget
+from metasd.slots import BatchedTarget
 torch.manual_seed(0)
 model = tiny_llama(layers=1, positions=4200)
 batch = BatchedTarget(model, rows=1, capacity=4200)

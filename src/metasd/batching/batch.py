@@ -26,10 +26,10 @@ from ..cached_model import feature_layers_read_by
 from ..engine import OWN_CHOICE, Decoder, Generation
 from ..policy import Policy
 from ..round import run_round
+from ..slots import BatchedTarget, check_batched_logits
 from . import DEFAULT_PREFILL_SHARE
 from .costs import BatchCost, load_or_calibrate_batch
 from .decision import BatchDecision
-from .slots import BatchedTarget, check_batched_logits
 
 
 @dataclass

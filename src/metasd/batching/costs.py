@@ -19,8 +19,8 @@ import torch
 
 from ..costs import CONTEXT, CostModel, TargetCost, cache_file, calibration_key
 from ..draft import Draft
+from ..slots import BatchedTarget
 from ..tree import DraftTree
-from .slots import BatchedTarget
 
 
 def batch_sizes(max_batch: int) -> list[int]:

@@ -2,10 +2,10 @@
 
 Families differ after the body: Granite divides the logits by `logits_scaling`, HyperCLOVAX multiplies by it,
 Cohere by `logit_scale`, Gemma 2/3 soft-cap them, MiniCPM3 scales the hidden states before the head. A caller that
-ran the body itself (the batch's KV slots, `metasd.batching.slots`, reads the head only at the positions
+ran the body itself (the batch's KV slots, `metasd.slots`, reads the head only at the positions
 verification needs) would sample from another distribution if it applied the LM head alone. Rather than a list of
 such rules, the model's own `forward` runs with its decoder stood in for by the hidden states already computed:
-whatever the forward does after the body is what these logits get. `metasd.batching.slots.check_batched_logits`
+whatever the forward does after the body is what these logits get. `metasd.slots.check_batched_logits`
 confirms it at start-up on a few tokens, for every architecture.
 """
 

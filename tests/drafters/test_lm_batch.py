@@ -1,0 +1,103 @@
+"""Forks of one model drafter (`lm:`) drafting together in a batch: one forward per drafted token for every row,
+proposing what each fork proposes alone, with rows kept across rounds, made anew when more forks draft together
+than there are rows, and given back when a request ends."""
+
+import pytest
+import torch
+from helpers import greedy_reference, tiny_llama
+
+from metasd import Decoder
+from metasd.batching.batch import Batch
+from metasd.draft import DraftJob
+from metasd.drafters.lm import ModelDrafter, SharedRows
+from metasd.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def sharp_llama() -> torch.nn.Module:
+    """A tiny random Llama whose attention is sharp (an untrained one attends almost evenly, blind to positions and
+    masks) and whose logits are spread (ties of a near-uniform q would make greedy drafts fragile)."""
+    torch.manual_seed(0)
+    model = tiny_llama(64, layers=2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_k=20)], ids=["greedy", "sampled"])
+def test_forks_drafting_together_draft_what_each_drafts_alone(params):
+    model = sharp_llama()
+    drafter = ModelDrafter(model, "lm:tiny", 64)
+    contexts, ks = [[5, 6, 7, 8], [9, 3, 4, 1, 2, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32]], [3, 4, 2, 1]
+    together = [drafter.fork() for _ in contexts]
+    for rounds in range(3):  # the same forks, round after round: each row takes in only what it has not seen
+        alone = [
+            drafter.fork().propose(c, k, params, torch.Generator().manual_seed(len(c)))
+            for c, k in zip(contexts, ks, strict=True)
+        ]
+        jobs = [
+            DraftJob(fork, c, k, params, torch.Generator().manual_seed(len(c)))
+            for fork, c, k in zip(together, contexts, ks, strict=True)
+        ]
+        assert len({fork.batch_key() for fork in together}) == 1
+        results = ModelDrafter.draft_batch(jobs)
+        assert all(seconds > 0 for _, seconds in results)
+        for one, (many, _), k in zip(alone, results, ks, strict=True):
+            assert many.tokens == one.tokens and len(many.tokens) == k and many.forwards == one.forwards == k
+            torch.testing.assert_close(many.q, one.q, atol=1e-5, rtol=1e-4)
+            assert [t for t, _ in many.runners_up] == [t for t, _ in one.runners_up]
+        # the next round: each context grew by a verified prefix of its draft and the target's token
+        drafted = zip(contexts, alone, ks, strict=True)
+        contexts = [c + d.tokens[: rounds % 2 + 1][:k] + [40 + i] for i, (c, d, k) in enumerate(drafted)]
+    assert drafter.slots.target.active == len(together) and drafter.slots.generation == 1  # rows kept, not remade
+
+
+def test_rows_are_given_back_and_made_anew_when_too_few():
+    model = sharp_llama()
+    drafter = ModelDrafter(model, "lm:tiny", 64)
+    forks = [drafter.fork() for _ in range(20)]
+    context = [1, 2, 3, 4, 5]
+    first = ModelDrafter.draft_batch([DraftJob(f, context, 2, GREEDY, None) for f in forks[:8]])
+    rows = len(drafter.slots.target.rows)
+    assert drafter.slots.target.active == 8 and rows >= 8
+    forks[0].end(context)  # a request ended: its row is free for another
+    assert drafter.slots.target.active == 7 and forks[0].row is None
+    ModelDrafter.draft_batch([DraftJob(f, context, 2, GREEDY, None) for f in forks[1 : rows + 1]])
+    assert drafter.slots.generation == 1 and drafter.slots.target.active == rows  # the freed row reused
+    grown = ModelDrafter.draft_batch([DraftJob(f, context, 2, GREEDY, None) for f in forks])  # more forks than rows
+    assert drafter.slots.generation == 2 and len(drafter.slots.target.rows) >= 20
+    assert [d.tokens for d, _ in grown] == [first[0][0].tokens] * 20  # every row caught up anew: the same draft
+
+
+def test_a_model_the_rows_decode_differently_drafts_one_by_one(monkeypatch):
+    slots = SharedRows(sharp_llama())
+
+    def refuse(model):
+        raise ValueError("differs")
+
+    monkeypatch.setattr("metasd.drafters.lm.check_batched_logits", refuse)
+    assert not slots.usable()
+    drafter = ModelDrafter(sharp_llama(), "lm:tiny", 64)
+    drafter.slots = slots
+    assert drafter.fork().batch_key() is None
+
+
+def test_a_batch_of_requests_with_an_lm_drafter_decodes_each_as_alone(embedded):
+    """End to end, the embedded model's first 8 layers drafting for it (early exit, a model drafter) in a batch of
+    three whose forks draft together: every request's greedy output is the target's."""
+    decoder = Decoder(drafters=["early-exit:8"], policy="fixed:early-exit:8", draft_len=3)
+    prompts = ["Name three colours.", "Count to five.", "What is a river?"]
+    batch = Batch(decoder, max_batch=3)
+    requests = [decoder.stream(p, max_new_tokens=12, policy="fixed:early-exit:8") for p in prompts]
+    for request in requests:
+        batch.join(request)
+    while len(batch):
+        batch.step()
+    for request, prompt in zip(requests, prompts, strict=True):
+        assert request.token_ids == greedy_reference(embedded.model, decoder.encode(prompt), 12)
+    drafted = [r.stats.drafters()["early-exit:8"].drafted for r in requests]
+    assert all(n > 0 for n in drafted)
