@@ -9,6 +9,7 @@ forward (`metasd.round` holds a round between them); the rest (prompts, request 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -253,9 +254,8 @@ class Decoder:
 
 
 class Generation:
-    """One request in flight; iterate it to decode, stop iterating to abandon it.
-
-    Its target is the decoder's cache, or a row of a batch (`metasd.batching`), which drives the same phases."""
+    """One request in flight; iterate it to decode, stop iterating to abandon it. Its target is the decoder's cache,
+    or a row of a batch (`metasd.batching`), which drives the same phases."""
 
     def __init__(
         self,
@@ -334,10 +334,9 @@ class Generation:
         if self._finished or not self.started:
             return
         self._finished = True
-        if self.policy is not None:
-            self.policy.finish(self.context)
-        for drafter in self.pool:
-            drafter.end(self.context)
+        with contextlib.ExitStack() as ends:  # each runs (a model drafter gives its row back) even if another raises
+            for end in reversed(([self.policy.finish] if self.policy is not None else []) + [d.end for d in self.pool]):
+                ends.callback(end, self.context)
 
     def _rounds(self) -> Iterator[list[int]]:
         self.begin()

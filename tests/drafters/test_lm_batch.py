@@ -54,6 +54,14 @@ def test_forks_drafting_together_draft_what_each_drafts_alone(params):
         drafted = zip(contexts, alone, ks, strict=True)
         contexts = [c + d.tokens[: rounds % 2 + 1][:k] + [40 + i] for i, (c, d, k) in enumerate(drafted)]
     assert drafter.slots.target.active == len(together) and drafter.slots.generation == 1  # rows kept, not remade
+    for fork, context in zip(together, contexts, strict=True):  # a round of its own: from its row, as a fresh fork
+        mine = fork.propose(context, 3, GREEDY, None)
+        assert fork.lm.tokens == [] and mine.tokens == drafter.fork().propose(context, 3, GREEDY, None).tokens
+    long = list(range(1, 60)) * 2 + [5, 6, 7, 8, 9]  # 123 tokens: a draft of 6 reaches past the model's 128
+    results = ModelDrafter.draft_batch([DraftJob(together[0], long, 6, GREEDY, None), jobs[1]])
+    assert (
+        len(results[0][0].tokens) == 6 and results[0][0].tokens == drafter.fork().propose(long, 6, GREEDY, None).tokens
+    )
 
 
 def test_rows_are_given_back_and_made_anew_when_too_few():
@@ -101,3 +109,6 @@ def test_a_batch_of_requests_with_an_lm_drafter_decodes_each_as_alone(embedded):
         assert request.token_ids == greedy_reference(embedded.model, decoder.encode(prompt), 12)
     drafted = [r.stats.drafters()["early-exit:8"].drafted for r in requests]
     assert all(n > 0 for n in drafted)
+    slots = decoder.drafters["early-exit:8"].slots
+    assert slots.usable() and slots.generation == 1  # a truncated model's forks drafted together in rows
+    assert slots.target.active == 0  # every request gave its row back

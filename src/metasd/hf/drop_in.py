@@ -12,6 +12,7 @@ The decoder built for a model (its drafters, its cost calibration) is kept on th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -210,16 +211,21 @@ def _decode_together(decoder: Decoder, requests: list[Generation], config, token
     kept (as generate's StopStringCriteria ends a row)."""
     outputs = {id(r): r.token_ids for r in requests}
     batch = Batch(decoder, max_batch=len(requests))
-    for request in requests:
-        batch.join(request)
-    while len(batch):
-        for request, _ in batch.step():
-            cut = _stop_at(request.token_ids, config.stop_strings, tokenizer) if tokenizer is not None else None
-            if cut is not None:
-                outputs[id(request)] = request.token_ids[:cut]
+    try:
+        for request in requests:
+            batch.join(request)
+        while len(batch):
+            for request, _ in batch.step():
+                cut = _stop_at(request.token_ids, config.stop_strings, tokenizer) if tokenizer is not None else None
+                if cut is not None:
+                    outputs[id(request)] = request.token_ids[:cut]
+                    batch.leave(request)
+            if batch.failed:
+                raise batch.failed[0][1]
+    finally:  # a step that raised: every request still in leaves (drafters see their end, rows are given back)
+        for request in list(batch.requests):
+            with contextlib.suppress(Exception):
                 batch.leave(request)
-        if batch.failed:
-            raise batch.failed[0][1]
     return [list(outputs[id(r)]) for r in requests]
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.eagle import SHARED_KEY, EagleDrafter
-from ..models.eagle_head import EagleHead, TargetCheck, load_head, save_head
+from ..models.eagle_head import EagleHead, TargetCheck, head_fingerprint, load_head, save_head
 from ..specialists.distill import length_batches
 from ..specialists.eagle_train import StoredSequences, TrainConfig, head_loss, held_out_metrics
 from .buffer import TrafficBuffer
@@ -125,7 +124,7 @@ class HeadLearner:
         self.config = config
         self.target = target
         self.base = copy.deepcopy(drafter.loaded_head).float().eval()
-        self.base_fingerprint = fingerprint(self.base)
+        self.base_fingerprint = head_fingerprint(self.base)
         self.embed = _FrozenEmbedding(target.model.get_input_embeddings())
         self.readout = target.model.get_output_embeddings().weight[self.base.draft_vocab].detach().float()
         self.train_config = TrainConfig(
@@ -357,8 +356,9 @@ class HeadLearner:
 
     def _save(self, key: str, record: dict, head: EagleHead | None) -> None:
         """Append the round to the key's learning.jsonl; a head swapped in is written whole to its own directory
-        (`head-vN`) before `current` names it (written to a temporary file, then renamed over the old one), so a
-        process that dies mid-write leaves the head before it in service on restart; older versions are removed."""
+        (`head-vN`, flushed to disk) before `current` names it (a temporary file renamed over the old one), so a
+        process or machine that dies mid-write leaves the head before it in service on restart; versions before
+        the previous one are removed."""
         if self.directory is None:
             return
         out = self.directory / _dir_name(key)
@@ -371,12 +371,15 @@ class HeadLearner:
                 "config": asdict(self.config),
             }
             save_head(out / name, head, self.target.spec, TargetCheck.of(self.target.model), training)
+            for written in (out / name / "head.safetensors", out / name / "config.json", out / name):
+                _flush(written)
             pointer = out / "current.tmp"
             pointer.write_text(name + "\n", encoding="utf-8")
+            _flush(pointer)
             os.replace(pointer, out / "current")
-            for old in out.glob("head-v*"):
-                if old.name != name and old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)
+            _flush(out)
+            for old in _versions(out)[2:]:  # the new one and the one before it stay
+                shutil.rmtree(old, ignore_errors=True)
         with open(out / "learning.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -385,6 +388,8 @@ class HeadLearner:
         names, else the newest one readable; a head grown from another base head than this drafter's (another
         `eagle:PATH`, a retrained head) is not resumed, nor is one cut short or made for another target."""
         for sub in sorted(p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []:
+            if (sub / "config.json").is_file():
+                log.warning("%s: not resuming %s (saved in an older layout: heads now go to head-vN)", self.name, sub)
             for path in _saved_heads(sub):
                 try:
                     saved = load_head(path, self.target.model)
@@ -401,23 +406,33 @@ class HeadLearner:
                 break
 
 
-def fingerprint(head: EagleHead) -> str:
-    """SHA-256 of a head's weights as saved (float16): which head a learned one grew from."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(head.state_dict().items()):
-        value = tensor.detach().cpu()
-        value = value.to(torch.float16) if value.is_floating_point() else value
-        digest.update(name.encode())
-        digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _saved_heads(key_dir: Path) -> list[Path]:
     """A key's saved heads, the one to resume first: the one `current` names, then the others newest first."""
-    pointer = key_dir / "current"
-    named = key_dir / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
-    versions = sorted(key_dir.glob("head-v*"), key=lambda p: int(p.name[6:]) if p.name[6:].isdigit() else -1)
-    return ([named] if named is not None else []) + [p for p in reversed(versions) if p != named]
+    try:
+        named = key_dir / (key_dir / "current").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):  # none yet, or unreadable: the newest version readable is resumed
+        named = None
+    return ([named] if named is not None else []) + [p for p in _versions(key_dir) if p != named]
+
+
+def _versions(key_dir: Path) -> list[Path]:
+    """A key's head-vN directories, newest first."""
+    found = [p for p in key_dir.glob("head-v*") if p.is_dir() and p.name[6:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[6:]), reverse=True)
+
+
+def _flush(path: Path) -> None:
+    """Push a written file (or a directory's entries) to the disk, where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # a directory on a platform that cannot sync one
+        pass
+    finally:
+        os.close(fd)
 
 
 def _served(record: dict) -> dict:

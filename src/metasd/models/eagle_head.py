@@ -15,6 +15,7 @@ target: architecture sizes and a sample of its embedding, so a head is refused o
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -236,3 +237,15 @@ def load_head(path: str | Path, target_model: torch.nn.Module | None = None) -> 
     except (SafetensorError, KeyError, RuntimeError, ValueError, OSError) as err:
         raise ValueError(f"{weights_file} does not hold this head's weights: {err}") from err
     return SavedHead(head=head.eval(), target=config["target"], check=check, training=config.get("training", {}))
+
+
+def head_fingerprint(head: EagleHead) -> str:
+    """SHA-256 of a head's weights rounded to bfloat16: which head another grew from (learned from traffic, or a
+    later phase of training), the same whether the head was read in float16, float32 or bfloat16."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.state_dict().items()):
+        value = tensor.detach().cpu()
+        value = value.to(torch.bfloat16) if value.is_floating_point() else value
+        digest.update(name.encode())
+        digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

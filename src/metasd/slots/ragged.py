@@ -20,6 +20,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 NAME = "metasd_ragged"
@@ -63,10 +64,16 @@ ALL_ATTENTION_FUNCTIONS.register(NAME, ragged_attention)
 def packed(model: torch.nn.Module, segments: Sequence[Segment], layers: Sequence) -> Iterator[None]:
     """The model's attention reads each segment's row from `layers` (the slots) while the block runs."""
     token = _ACTIVE.set((segments, layers))
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = NAME
+    # every config the attention layers read: a truncated model's (early exit) is its own, its layers keep the full
+    # model's
+    found = [model.config, *(getattr(m, "config", None) for m in model.modules())]
+    configs = {id(c): c for c in found if isinstance(c, PretrainedConfig)}
+    previous = {key: config._attn_implementation for key, config in configs.items()}
+    for config in configs.values():
+        config._attn_implementation = NAME
     try:
         yield
     finally:
-        model.config._attn_implementation = previous
+        for key, config in configs.items():
+            config._attn_implementation = previous[key]
         _ACTIVE.reset(token)

@@ -20,14 +20,14 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
-from ..models.eagle_head import EagleHead, TargetCheck, head_config_for, save_head
+from ..models.eagle_head import EagleHead, TargetCheck, head_config_for, head_fingerprint, save_head
 from .distill import length_batches
 from .eagle_corpus import TokenFeatures
 
@@ -324,12 +324,17 @@ class _Training:
     step: int = 0
     seconds: float = 0.0
     seen: int = 0  # real positions trained on
+    init: str | None = None  # the fingerprint of the head it started from (None: a new head)
 
     def load(self, checkpoint: Path) -> None:
         state = torch.load(checkpoint, weights_only=False)
         # a setting the checkpoint predates had its default then
-        if {**asdict(TrainConfig()), **state["config"]} != asdict(self.cfg) or state["steps"] != self.steps:
-            raise ValueError(f"checkpoint {checkpoint} is of another training configuration; remove it to restart")
+        same = {**asdict(TrainConfig()), **state["config"]} == asdict(self.cfg) and state["steps"] == self.steps
+        if not same or state.get("init") != self.init:
+            raise ValueError(
+                f"checkpoint {checkpoint} is of another training (configuration or the head it started from); "
+                "remove it to restart, or give the new phase its own --out"
+            )
         self.head.load_state_dict(state["head"])
         self.optim.load_state_dict(state["optim"])
         self.sched.load_state_dict(state["sched"])
@@ -347,6 +352,7 @@ class _Training:
                 "step": self.step,
                 "seconds": self.seconds,
                 "tokens_seen": self.seen,
+                "init": self.init,
                 "head": self.head.state_dict(),
                 "optim": self.optim.state_dict(),
                 "sched": self.sched.state_dict(),
@@ -440,11 +446,13 @@ def train_head(
     else:
         head = copy.deepcopy(init).float()
         vocab = head.draft_vocab
+        cfg = replace(cfg, draft_vocab=len(vocab))  # the record says what the head has
     embed = model.get_input_embeddings().requires_grad_(False)  # the target's: gradients stop at the head
     readout = model.get_output_embeddings().weight[vocab].detach().float()
     steps_per_epoch = len(_batches(seqs, cfg, random.Random(0)))
     steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
     training = _Training(head, embed, readout, seqs, held, cfg, steps, *_optimiser(head, cfg.lr, steps))
+    training.init = None if init is None else head_fingerprint(init)
     if checkpoint is not None and checkpoint.is_file():
         training.load(checkpoint)
     head.train()
