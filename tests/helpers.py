@@ -79,3 +79,17 @@ def tiny_vocab_llama(path, tokenizer, seed: int, base=None, noise: float = 0.0) 
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model.eval()
+
+
+def decode_in_batch(decoder, prompts: list[str], max_new_tokens: int, **options) -> list:
+    """Every prompt joined to one batch of the decoder at once and decoded to the end: the requests (`Generation`),
+    in the prompts' order."""
+    from metasd.batching.batch import Batch
+
+    batch = Batch(decoder, max_batch=len(prompts))
+    requests = [decoder.stream(p, max_new_tokens=max_new_tokens, **options) for p in prompts]
+    for request in requests:
+        batch.join(request)
+    while len(batch):
+        batch.step()
+    return requests

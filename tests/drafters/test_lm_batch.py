@@ -4,10 +4,9 @@ than there are rows, and given back when a request ends."""
 
 import pytest
 import torch
-from helpers import greedy_reference, tiny_llama
+from helpers import decode_in_batch, greedy_reference, tiny_llama
 
 from metasd import Decoder
-from metasd.batching.batch import Batch
 from metasd.draft import DraftJob
 from metasd.drafters.lm import ModelDrafter, SharedRows
 from metasd.sampling import SamplingParams
@@ -99,12 +98,7 @@ def test_a_batch_of_requests_with_an_lm_drafter_decodes_each_as_alone(embedded):
     three whose forks draft together: every request's greedy output is the target's."""
     decoder = Decoder(drafters=["early-exit:8"], policy="fixed:early-exit:8", draft_len=3)
     prompts = ["Name three colours.", "Count to five.", "What is a river?"]
-    batch = Batch(decoder, max_batch=3)
-    requests = [decoder.stream(p, max_new_tokens=12, policy="fixed:early-exit:8") for p in prompts]
-    for request in requests:
-        batch.join(request)
-    while len(batch):
-        batch.step()
+    requests = decode_in_batch(decoder, prompts, 12, policy="fixed:early-exit:8")
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.token_ids == greedy_reference(embedded.model, decoder.encode(prompt), 12)
     drafted = [r.stats.drafters()["early-exit:8"].drafted for r in requests]

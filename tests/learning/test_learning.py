@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from helpers import greedy_reference
+from helpers import decode_in_batch, greedy_reference
 
 from metasd import Decoder
 from metasd.batching.batch import Batch
@@ -64,12 +64,7 @@ def test_greedy_output_is_the_targets_while_the_head_changes_every_round(embedde
     assert key == "" and prompt == len(ids) and tokens.tolist() == (ids + result.token_ids)[: len(tokens)]
     assert features.shape == (len(tokens), embedded.model.config.hidden_size) and len(tokens) >= len(ids) + 20
 
-    batch = Batch(decoder, max_batch=3)  # the same in a batch: every row's head changes every round
-    requests = [decoder.stream(p, max_new_tokens=16, policy=f"fixed:{spec}") for p in PROMPTS]
-    for request in requests:
-        batch.join(request)
-    while len(batch):
-        batch.step()
+    requests = decode_in_batch(decoder, PROMPTS, 16, policy=f"fixed:{spec}")  # in a batch: a new head every round
     for request, prompt in zip(requests, PROMPTS, strict=True):
         assert request.token_ids == greedy_reference(embedded.model, decoder.encode(prompt), 16)
 
