@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Rebuilds the EAGLE head metasd ships for the embedded model (src/metasd/heads/smollm2-135m-instruct/).
-# 1. prompts (ShareGPT first turns, stdlib docstrings, Django catalogs; never a benchmark set) under specialists/;
-# 2. the target's own greedy answers with its features (eagle-data/general/, resumable), up to the token budget,
-#    and its features on ShareGPT conversations held apart from the prompts (eagle-data/texts/, one prefill each);
-# 3. training, then the head written into the package (checkpoint and corpus stay out of it).
+# 1. ShareGPT conversations held apart from any prompt set (specialists/corpora/chat.jsonl; never a benchmark set);
+# 2. training streamed: the target (bfloat16) prefills each batch's conversations for its features (layers 1 and 14
+#    and the final norm) and next-token distributions, the head (bfloat16 autocast) learns them with the
+#    training-time test over 3 draft tokens; held-out metrics on the target's answers to everyday requests of the
+#    project's own writing (experiments/data/everyday_requests.jsonl) every 50 steps; resumable (checkpoint.pt);
+# 3. the head written into the package (checkpoint and learning curve stay out of it).
 # Usage: bash scripts/train_shipped_head.sh   (from the repository root, in the project's venv)
 set -euo pipefail
 python scripts/build_specialists.py --out specialists --domains chat,code --prompts 2500 --prompts-only
-python scripts/build_specialists.py --out specialists --domains translation --prompts 600 --prompts-only
+python - <<'PY'
+from pathlib import Path
+from metasd.models.loading import load_model
+from metasd.specialists.eagle_corpus import encode_prompts, read_prompt_files, write_corpus
+out = Path("eagle-data/everyday")
+if not out.is_dir():
+    target = load_model(None, "float32")
+    prompts = encode_prompts(target.tokenizer, read_prompt_files(["experiments/data/everyday_requests.jsonl"]), 384)
+    write_corpus(target, prompts, out, max_new_tokens=256, batch_size=20, feature_layers=(1, 14))
+PY
 out=src/metasd/heads/smollm2-135m-instruct
-metasd train-eagle --prompts specialists/prompts/chat.jsonl specialists/prompts/code.jsonl \
-    specialists/prompts/translation.jsonl --corpus eagle-data/general --corpus-tokens 413290 \
-    --gen-batch 48 --max-new-tokens 256 --texts specialists/corpora/chat.jsonl --texts-corpus eagle-data/texts \
-    --texts-tokens 611561 --epochs 2 --out eagle-data/head
-mkdir -p "$out" && cp eagle-data/head/config.json eagle-data/head/head.safetensors "$out/"
+metasd train-eagle --dtype bfloat16 --stream --texts specialists/corpora/chat.jsonl --texts-tokens 2800000 \
+    --max-text-tokens 1024 --held-out eagle-data/everyday --epochs 1 --unroll 3 --feature-layers auto --autocast \
+    --evaluate-every 50 --threads 2 --out eagle-data/head-stream-amx
+mkdir -p "$out" && cp eagle-data/head-stream-amx/config.json eagle-data/head-stream-amx/head.safetensors "$out/"

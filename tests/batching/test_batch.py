@@ -111,7 +111,8 @@ def test_joining_and_leaving_leaves_every_other_output_as_it_is_alone(decoder, a
     assert drafted > 0 and accepted > 0  # rows drafted and were verified together, and drafts were kept
     assert batch.target.active == 0 and not batch.requests
     spy.reads = spy.reads[:: max(1, len(spy.reads) // 24)]  # a sample: each check is a lone forward
-    spy.assert_true_features(decoder.target.model, required=policy is not None)
+    layers = decoder.drafters["eagle"].feature_layers  # the shipped head's: what the batch's rows keep
+    spy.assert_true_features(decoder.target.model, layers, required=policy is not None)
 
 
 def test_rows_keep_the_fused_features_a_head_reads_and_outputs_stay_as_alone(embedded, tmp_path, monkeypatch):
