@@ -83,22 +83,19 @@ class ModelDrafter(AutoregressiveDrafter):
         past the drafting model's context drafts alone, as it would in a round of its own."""
         slots: SharedRows = jobs[0].drafter.slots
         out: list[tuple[Draft, float] | None] = [None] * len(jobs)
-        fits = []
-        for i, job in enumerate(jobs):
-            if len(job.context) + job.k <= slots.context:
-                fits.append(i)
-            else:
-                out[i] = cls._alone(job)
-        rows = slots.rows_for([jobs[i].drafter for i in fits])
+        fits = [i for i, job in enumerate(jobs) if len(job.context) + job.k <= slots.context]
+        past = [i for i in range(len(jobs)) if i not in fits]
+        for i, alone in zip(past, super().draft_batch([jobs[i] for i in past]), strict=True):
+            out[i] = alone
+        row_of = dict(zip(fits, slots.rows_for([jobs[i].drafter for i in fits]), strict=True))
         seqs = {i: list(jobs[i].context) for i in fits}
         built = {i: DraftBuilder() for i in fits}
         seconds = dict.fromkeys(fits, 0.0)
-        for i, row in zip(fits, rows, strict=True):
+        for i, row in row_of.items():
             if len(seqs[i]) - 1 - common_prefix(row.tokens, seqs[i]) > slots.CATCH_UP_IN_STEP:
                 started = time.perf_counter()
                 slots.target.prefill(row, seqs[i])
                 seconds[i] += time.perf_counter() - started
-        row_of = dict(zip(fits, rows, strict=True))
         for j in range(max((jobs[i].k for i in fits), default=0)):
             drafting = [i for i in fits if j < jobs[i].k]
             started = time.perf_counter()
@@ -114,12 +111,6 @@ class ModelDrafter(AutoregressiveDrafter):
         for i in fits:
             out[i] = (built[i].draft(), seconds[i])
         return out
-
-    @staticmethod
-    def _alone(job: DraftJob) -> tuple[Draft, float]:
-        started = time.perf_counter()
-        draft = job.drafter.propose(job.context, job.k, job.params, job.generator)
-        return draft, time.perf_counter() - started
 
 
 class SharedRows:

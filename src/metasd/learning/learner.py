@@ -457,7 +457,7 @@ def learn_heads(decoder, config: LearningConfig, directory: Path | None = None) 
     learners = []
     for name, drafter in decoder.drafters.items():
         if isinstance(drafter, EagleDrafter):
-            sub = None if directory is None else Path(directory) / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+            sub = None if directory is None else Path(directory) / _dir_name(name)
             learner = HeadLearner(drafter, decoder.target, config, sub)
             drafter.learn_from(learner)
             learners.append(learner)
