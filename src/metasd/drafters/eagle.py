@@ -281,11 +281,11 @@ class EagleDrafter(AutoregressiveDrafter):
     @torch.inference_mode()
     def _draft_rows(jobs: Sequence[DraftJob], features: Sequence[torch.Tensor]) -> list[tuple[Draft, float]]:
         """Forks of one head drafting for several requests: each catches up on its own context (its own cache and
-        length, charged to it), then every draft step runs once for all rows (charged to the rows still drafting).
-        The rows' head caches are laid side by side, each padded to the longest and the padding masked, and every
-        row sits at its own positions, so a row computes what it computes alone; the steps' entries are not kept
-        (the next catch-up drops them as it does alone). A head on int8 weights routed for one-row steps (`_route`)
-        runs these several-row steps on its float weights."""
+        length, charged to it), then every draft step runs once for the rows still drafting (charged to them; a row
+        whose draft is done leaves the steps). The rows' head caches are laid side by side, each padded to the
+        longest and the padding masked, and every row sits at its own positions, so a row computes what it computes
+        alone; the steps' entries are not kept (the next catch-up drops them as it does alone). A head on int8
+        weights routed for one-row steps (`_route`) runs steps of several rows on its float weights."""
         forks = [job.drafter for job in jobs]
         built = [DraftBuilder() for _ in jobs]
         seconds = [0.0] * len(jobs)
@@ -300,11 +300,18 @@ class EagleDrafter(AutoregressiveDrafter):
         if steps > 1:
             cache, mask = lead._side_by_side([fork.cache for fork in forks], lengths)
             positions = torch.tensor(lengths, device=state.device)[:, None]
+        rows = list(range(len(jobs)))  # the jobs still drafting, in the order of the tensors' rows
         for j in range(steps):
             started = time.perf_counter()
             if j:
-                tokens = torch.tensor([[b.tokens[-1]] for b in built], device=state.device)
-                step_mask = torch.cat([mask, mask.new_zeros(len(jobs), 1, 1, j)], dim=-1)
+                keep = [p for p, i in enumerate(rows) if jobs[i].k > j]
+                if len(keep) < len(rows):  # a row whose draft is done leaves the steps
+                    index = torch.tensor(keep, device=state.device)
+                    state, mask, positions = state[index], mask[index], positions[index]
+                    cache.batch_select_indices(index)
+                    rows = [rows[p] for p in keep]
+                tokens = torch.tensor([[built[i].tokens[-1]] for i in rows], device=state.device)
+                step_mask = torch.cat([mask, mask.new_zeros(len(rows), 1, 1, j)], dim=-1)
                 state = lead.head(
                     state.unsqueeze(1),
                     lead.embed(tokens),
@@ -313,13 +320,12 @@ class EagleDrafter(AutoregressiveDrafter):
                     attention_mask=step_mask,
                 )[:, -1]
             logits = lead._logits(state)
-            drafting = [i for i, job in enumerate(jobs) if j < job.k]
-            for i in drafting:
-                q = probabilities(logits[i : i + 1], jobs[i].params)[0]
+            for p, i in enumerate(rows):
+                q = probabilities(logits[p : p + 1], jobs[i].params)[0]
                 built[i].forwards += 1
                 built[i].add(q, pick(q, jobs[i].params, jobs[i].generator))
-            for i in drafting:
-                seconds[i] += (time.perf_counter() - started) / len(drafting)
+            for i in rows:
+                seconds[i] += (time.perf_counter() - started) / len(rows)
         return [(b.draft(), t) for b, t in zip(built, seconds, strict=True)]
 
     def _side_by_side(self, caches: list[DynamicCache], lengths: list[int]) -> tuple[DynamicCache, torch.Tensor]:
