@@ -2,6 +2,7 @@
 a draft's first token (`top1`), its second from the head's own predicted feature (`top1_2`) and both in a row
 (`both`), for heads trained on the same corpus with and without the training-time test or fused features; with
 --whole, on every sequence of a corpus no head trained on (e.g. the target's answers to requests of one's own).
+Agreement is with the target's argmax over its whole vocabulary (a token outside the draft vocabulary is a miss).
 python experiments/eagle_held_out.py [--target SPEC] [--dtype D] --corpus DIR [DIR ...] --heads HEAD_DIR [...]
     [--whole] [--unroll S]"""
 
@@ -38,8 +39,8 @@ def main() -> None:
         head = saved.head.float()
         cfg = TrainConfig(**saved.training.get("train_config", {}))
         cfg = TrainConfig(**{**asdict(cfg), "unroll": args.unroll or cfg.unroll})
-        readout = target.model.get_output_embeddings().weight[head.draft_vocab].detach().float()
-        metrics = held_out_metrics(head, embed, readout, held, cfg)
+        whole = target.model.get_output_embeddings().weight.detach()
+        metrics = held_out_metrics(head, embed, whole[head.draft_vocab].float(), held, cfg, whole)
         print(json.dumps({"head": path, "unroll": cfg.unroll, "layers": list(layers), **metrics}))
 
 

@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# Trains a general EAGLE head for the Qwen pair's target (Qwen2.5-Coder-1.5B-Instruct, `--preset qwen-coder`):
-# 1. prompts (ShareGPT first turns, stdlib docstrings, Django catalogs; never a benchmark set) under specialists/;
-# 2. the target's own greedy answers in bfloat16 (the dtype it is benchmarked in) with its features
-#    (eagle-data/qwen/, resumable), up to TOKENS tokens: a fixed shuffled order, so a budget is a fair sample;
-#    then its features on ShareGPT conversations held apart from the prompts (one prefill each), TEXTS tokens;
-# 3. training with the training-time test (--unroll 2: long drafts are what pay on a target whose verification
-#    is flat), into specialists/eagle-qwen-coder/ (about 100 MB in float16: not shipped with the package).
+# Trains a general EAGLE head for the Qwen pair's target (Qwen2.5-Coder-1.5B-Instruct, `--preset qwen-coder`), the
+# way the embedded model's shipped head is trained (scripts/train_shipped_head.sh):
+# 1. ShareGPT conversations held apart from any prompt set (specialists/corpora/chat.jsonl; never a benchmark set);
+# 2. held out: the target's greedy answers (bfloat16, <= 192 tokens) to the everyday requests of the project's own
+#    writing (experiments/data/everyday_requests.jsonl) with its features of layers 1 and 13 (`--feature-layers
+#    auto` for its 28 layers), in eagle-data/qwen-everyday/;
+# 3. training streamed: the target (bfloat16) prefills each batch's conversations for its features and next-token
+#    distributions, the head (bfloat16 autocast) learns them with the training-time test over 3 draft tokens, up to
+#    TOKENS positions; held-out metrics every 25 steps; resumable (checkpoint.pt); the head in
+#    specialists/eagle-qwen-coder/ (about 100 MB in float16: not shipped with the package).
 # Use: metasd bench --preset qwen-coder --drafters eagle:specialists/eagle-qwen-coder,ngram,suffix,lm:DRAFTER ...
 # Usage: bash scripts/train_qwen_head.sh   (from the repository root, in the project's venv; needs the pair from
-# scripts/qwen_coder_pair.sh or the hub; TOKENS=40000 TEXTS=40000 EPOCHS=4)
+# scripts/qwen_coder_pair.sh or TARGET=...; TOKENS=400000)
 set -euo pipefail
-tokens=${TOKENS:-40000}
-texts=${TEXTS:-40000}
-epochs=${EPOCHS:-4}
-target=${TARGET:-$HOME/.cache/metasd-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}
-[ -f specialists/prompts/chat.jsonl ] && [ -f specialists/prompts/code.jsonl ] && [ -f specialists/corpora/chat.jsonl ] ||
+export TARGET=${TARGET:-$HOME/.cache/metasd-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}
+tokens=${TOKENS:-400000}
+[ -f specialists/corpora/chat.jsonl ] ||
     python scripts/build_specialists.py --out specialists --domains chat,code --prompts 2500 --prompts-only
-[ -f specialists/prompts/translation.jsonl ] ||
-    python scripts/build_specialists.py --out specialists --domains translation --prompts 600 --prompts-only
-metasd train-eagle --target "$target" --dtype bfloat16 --prompts specialists/prompts/chat.jsonl \
-    specialists/prompts/code.jsonl specialists/prompts/translation.jsonl --corpus eagle-data/qwen \
-    --corpus-tokens "$tokens" --gen-batch 24 --max-new-tokens 192 --texts specialists/corpora/chat.jsonl \
-    --texts-corpus eagle-data/qwen-texts --texts-tokens "$texts" --epochs "$epochs" --unroll 2 \
-    --batch-tokens 2048 --out specialists/eagle-qwen-coder
+python - <<'PY'
+import os
+from pathlib import Path
+from metasd.models.loading import load_model
+from metasd.specialists.eagle_corpus import encode_prompts, read_prompt_files, write_corpus
+out = Path("eagle-data/qwen-everyday")
+if not (out / "corpus.json").is_file():  # an interrupted run resumes from its shards
+    target = load_model(os.environ["TARGET"], "bfloat16")
+    prompts = encode_prompts(target.tokenizer, read_prompt_files(["experiments/data/everyday_requests.jsonl"]), 384)
+    write_corpus(target, prompts, out, max_new_tokens=192, batch_size=20, feature_layers=(1, 13))
+PY
+metasd train-eagle --target "$TARGET" --dtype bfloat16 --stream --texts specialists/corpora/chat.jsonl \
+    --texts-tokens "$tokens" --max-text-tokens 1024 --held-out eagle-data/qwen-everyday --epochs 1 --unroll 3 \
+    --feature-layers auto --autocast --evaluate-every 25 --threads 2 --out specialists/eagle-qwen-coder

@@ -309,6 +309,35 @@ def test_a_deeper_unroll_keeps_a_drafts_later_positions(memorised_corpus, tmp_pa
     assert rates[4]["top1_4"] >= 0.8 and rates[4]["top1_4"] > rates[1]["top1_4"] + 0.3, rates
 
 
+def test_held_out_agreement_misses_a_token_the_target_picks_outside_the_draft_vocabulary(memorised_corpus, tmp_path):
+    """Agreement is judged against the target's argmax over its whole vocabulary: the memorised head with its draft
+    vocabulary short of the tokens the target picks most still agrees over what is left of the vocabulary, but
+    every position where the target picks one of those tokens is a miss, as it is in decoding."""
+    target, corpus = memorised_corpus
+    seqs = StoredSequences(read_corpus(corpus))
+    cfg = TrainConfig(batch_tokens=512, draft_vocab=512, noise=0.0, unroll=2)
+    _memorised(target, corpus, tmp_path / "head", unroll=1)
+    head = load_head(tmp_path / "head").head
+    whole = target.model.get_output_embeddings().weight.detach()
+    hidden = target.model.config.hidden_size
+    picks = torch.cat([(s.features[1:, -hidden:].float() @ whole.T).argmax(-1) for s in read_corpus(corpus)])
+    tokens, counts = picks.unique(return_counts=True)
+    vocab = set(head.draft_vocab.tolist())
+    most = [t for t in tokens[counts.argsort(descending=True)].tolist() if t in vocab][:6]
+    share = float(torch.isin(picks, torch.tensor(most)).float().mean())
+    assert share >= 0.15, share
+    spare = [t for t in range(whole.shape[0]) if t not in vocab][: len(most)]
+    head.draft_vocab = torch.tensor(sorted(vocab - set(most) | set(spare)))
+    embed, readout = target.model.get_input_embeddings(), whole[head.draft_vocab].float()
+    over_the_draft_vocabulary = held_out_metrics(head, embed, readout, seqs, cfg)["top1"]
+    over_every_token = held_out_metrics(head, embed, readout, seqs, cfg, whole)["top1"]
+    assert over_every_token <= 1 - share + 1e-6 < over_the_draft_vocabulary - 0.05, (
+        share,
+        over_every_token,
+        over_the_draft_vocabulary,
+    )
+
+
 def test_a_fused_corpus_trains_a_fused_head_and_a_plain_one_on_the_same_data(tiny_target, tmp_path):
     """EAGLE-3's fused features: the corpus holds layer 0's output then the final norm's; a head reading both and
     one reading the final norm's alone train on it; both draft losslessly; mismatches are clear errors."""

@@ -126,7 +126,8 @@ class HeadLearner:
         self.base = copy.deepcopy(drafter.loaded_head).float().eval()
         self.base_fingerprint = head_fingerprint(self.base)
         self.embed = _FrozenEmbedding(target.model.get_input_embeddings())
-        self.readout = target.model.get_output_embeddings().weight[self.base.draft_vocab].detach().float()
+        self.whole = target.model.get_output_embeddings().weight.detach()  # judged against the target's argmax
+        self.readout = self.whole[self.base.draft_vocab].float()
         self.train_config = TrainConfig(
             noise=0.1, unroll=config.unroll, feature_layers=self.base.config.feature_layers, max_length=768
         )
@@ -253,8 +254,8 @@ class HeadLearner:
             return None
         candidate.eval()
         judged = StoredSequences(held, answers_only=True)
-        new = held_out_metrics(candidate, self.embed, self.readout, judged, self.train_config)
-        old = held_out_metrics(serving, self.embed, self.readout, judged, self.train_config)
+        new = held_out_metrics(candidate, self.embed, self.readout, judged, self.train_config, self.whole)
+        old = held_out_metrics(serving, self.embed, self.readout, judged, self.train_config, self.whole)
         swap = expected_tokens(new) > expected_tokens(old) + cfg.min_gain
         record = {
             "time": time.time(),

@@ -219,10 +219,14 @@ def head_loss(
     feats: torch.Tensor,
     real: torch.Tensor,
     cfg: TrainConfig,
+    whole: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss over every pair (f_i, token i+1) -> f_(i+1) whose target feature is real, plus each unrolled pass's
     over the entries `_step_masks` counts; readout [Vd, d]. Metrics: `top1` (a draft's first token), `top1_s` (its
-    token s from the head's own entries), `both` / `chain_s` (a greedy draft's first 2 / s tokens all right)."""
+    token s from the head's own entries), `both` / `chain_s` (a greedy draft's first 2 / s tokens all right),
+    agreeing with the target's argmax over the draft vocabulary, or, given `whole` (the target's readout over its
+    whole vocabulary, [V, d]), with its argmax over every token: a position where the target picks a token outside
+    the draft vocabulary is one no draft gets right, as in decoding."""
     inputs = feats[:, :-1]
     if cfg.noise > 0:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * cfg.noise
@@ -231,7 +235,7 @@ def head_loss(
     mask = masks[0]
     want = feats[:, 1:, -head.config.hidden_size :][mask]  # the final norm's output: what the readout reads
     target_p = torch.softmax(want @ readout.T, dim=-1)
-    target_top = target_p.argmax(-1)
+    target_top = target_p.argmax(-1) if whole is None else _draft_index(head.draft_vocab, _argmax(want, whole))
     loss, feature_loss, token_loss, agree = _pass_loss(preds[0][mask], want, target_p, target_top, readout, None, cfg)
     metrics = {"feature": feature_loss.item(), "token": token_loss.item(), "top1": agree.float().mean().item()}
     chain = torch.zeros_like(mask)
@@ -250,6 +254,18 @@ def head_loss(
     return loss, metrics
 
 
+def _argmax(features: torch.Tensor, readout: torch.Tensor) -> torch.Tensor:
+    """The target's argmax token at each row of final-norm `features` [N, d], computed in the readout's dtype (as
+    the target computes it), a block of rows at a time (a large vocabulary's logits need not be held at once)."""
+    return torch.cat([(block.to(readout.dtype) @ readout.T).argmax(-1) for block in features.split(1024)])
+
+
+def _draft_index(vocab: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's index in the sorted draft vocabulary, -1 where it is not in it."""
+    at = torch.searchsorted(vocab, tokens).clamp(max=len(vocab) - 1)
+    return torch.where(vocab[at] == tokens, at, -1)
+
+
 def held_out_split(seqs: TrainingSequences) -> tuple[TrainingSequences, TrainingSequences]:
     """(held out, trained on): the first ~2 % of the sequences are kept out of training."""
     held = seqs[: len(seqs) // 50]
@@ -257,17 +273,20 @@ def held_out_split(seqs: TrainingSequences) -> tuple[TrainingSequences, Training
 
 
 @torch.no_grad()
-def held_out_metrics(head, embed, readout, seqs: TrainingSequences, cfg: TrainConfig) -> dict:
+def held_out_metrics(
+    head, embed, readout, seqs: TrainingSequences, cfg: TrainConfig, whole: torch.Tensor | None = None
+) -> dict:
     """Losses and top-1 agreement with the target's next token on sequences kept out of training (no noise): from
     true features (`top1`, a draft's first token), from the head's own prediction of the previous feature
     (`top1_2`, a second token's step) and both in a row (`both`: a greedy draft's first two tokens accepted),
-    whatever the head was trained with; each averaged over the positions it counts."""
+    whatever the head was trained with; each averaged over the positions it counts. With `whole` (the target's
+    readout over its whole vocabulary) a token the target picks outside the draft vocabulary counts as a miss."""
     quiet = TrainConfig(**{**asdict(cfg), "noise": 0.0, "unroll": max(cfg.unroll, 2)})
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     for idx in length_batches(_lengths(seqs, cfg), cfg.batch_tokens):
         tokens, feats, real = seqs.stack(idx, cfg.max_length)
-        _, metrics = head_loss(head, embed, readout, tokens, feats, real, quiet)
+        _, metrics = head_loss(head, embed, readout, tokens, feats, real, quiet, whole)
         counted = [int(m.sum()) for m in _step_masks(real[:, 1:] & real[:, :-1], quiet.unroll)]
         for key, value in metrics.items():
             step = 2 if key == "both" else int(key.rpartition("_")[2]) if "_" in key else 1  # top1_3, chain_3
@@ -315,6 +334,7 @@ class _Training:
     head: EagleHead
     embed: torch.nn.Module
     readout: torch.Tensor
+    whole: torch.Tensor  # the target's readout over its whole vocabulary: held-out agreement with its true argmax
     seqs: TrainingSequences
     held: TrainingSequences
     cfg: TrainConfig
@@ -382,7 +402,9 @@ class _Training:
         """The training summary: configuration, data, progress, the last step's metrics and the held-out ones."""
         self.head.eval()
         measured = (
-            held_out_metrics(self.head, self.embed, self.readout, self.held, self.cfg) if len(self.held) else None
+            held_out_metrics(self.head, self.embed, self.readout, self.held, self.cfg, self.whole)
+            if len(self.held)
+            else None
         )
         self.head.train()
         return {
@@ -448,10 +470,11 @@ def train_head(
         vocab = head.draft_vocab
         cfg = replace(cfg, draft_vocab=len(vocab))  # the record says what the head has
     embed = model.get_input_embeddings().requires_grad_(False)  # the target's: gradients stop at the head
-    readout = model.get_output_embeddings().weight[vocab].detach().float()
+    whole = model.get_output_embeddings().weight.detach()
+    readout = whole[vocab].float()
     steps_per_epoch = len(_batches(seqs, cfg, random.Random(0)))
     steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    training = _Training(head, embed, readout, seqs, held, cfg, steps, *_optimiser(head, cfg.lr, steps))
+    training = _Training(head, embed, readout, whole, seqs, held, cfg, steps, *_optimiser(head, cfg.lr, steps))
     training.init = None if init is None else head_fingerprint(init)
     if checkpoint is not None and checkpoint.is_file():
         training.load(checkpoint)
