@@ -109,6 +109,46 @@ def test_the_lag_the_policy_sees_is_what_the_drafter_takes_in(embedded):
     assert all(lag == true for lag, true in seen), seen
 
 
+@pytest.mark.parametrize("policy", ["fixed:eagle", "round-robin"])
+def test_an_eagle_heads_lag_is_every_token_since_the_context_it_drafted_from(embedded, policy):
+    """An EAGLE head drops its draft's entries (they came from predicted features) and its next catch-up reruns
+    every entry after the context it last drafted from: the lag the policy sees when it sends the head out is the
+    number of entries that catch-up feeds it, whether the head drafted the round before (accepted tokens
+    included) or sat rounds out."""
+    decoder = Decoder(drafters=["ngram", "suffix", "eagle"], policy=policy, draft_len=3)
+    drafter = decoder.drafters["eagle"]
+    pending, seen = [], []  # the lag of the round the head was sent out in; (lag, entries its catch-up fed)
+    original = Decoder._policy
+
+    def watched(self, name, names, regime="greedy"):
+        policy = original(self, name, names, regime)
+        choose = policy.choose
+
+        def choose_and_record(k, proposals, lags, **kw):
+            arm, length = choose(k, proposals, lags, **kw)
+            if arm == 2 and length and drafter.name in generation._drafted:
+                pending.append(lags[2])
+            return arm, length
+
+        policy.choose = choose_and_record
+        return policy
+
+    fuse = drafter.exact_head.fuse
+
+    def fuse_and_count(features):
+        if pending:
+            seen.append((pending.pop(), features.shape[1]))
+        return fuse(features)
+
+    drafter.exact_head.fuse = fuse_and_count
+    decoder._policy = watched.__get__(decoder)
+    generation = decoder.stream(COPY, max_new_tokens=40)
+    for _ in generation:
+        pass
+    assert len(seen) >= 3 and max(lag for lag, _ in seen) > 1
+    assert all(lag == fed for lag, fed in seen), seen
+
+
 def test_prefills_stay_out_of_the_rewards(embedded):
     """The first round of a request prefills the prompt (hundreds of tokens) and a fresh model drafter takes its
     own copy of it in: the round's statistics keep that time, the reward's times do not."""

@@ -48,6 +48,10 @@ class Drafter:
     - `runs_model`: a model drafter (a forward per drafted token and a KV cache of its own, which must take in the
       tokens of rounds it sat out: the engine counts that lag); False: a free drafter (a lookup costing
       microseconds, whose proposals are deterministic and may be cut to any length or appended to a model's draft).
+    - `keeps_its_draft`: a model drafter's cache keeps the tokens it drafted, so those a round accepts are not taken
+      in again; False: it drops them (an EAGLE head: its draft entries came from predicted features, and the
+      accepted tokens' true ones arrive with the verification), and takes in every token since the context it
+      last drafted from.
     - `reads_target_features` / `feature_layers`: it drafts from the target's features (EAGLE heads); the target's
       cache keeps them, with the outputs of `feature_layers` (EAGLE-3's fused features), and hands them over
       through `read_features_from`.
@@ -62,6 +66,7 @@ class Drafter:
 
     name: str
     runs_model: bool = False
+    keeps_its_draft: bool = True
     reads_target_features: bool = False
     feature_layers: tuple[int, ...] = ()
     learns_across_requests: bool = False

@@ -64,6 +64,7 @@ class EagleDrafter(AutoregressiveDrafter):
     the requests it serves (swapped in at a draft's start, so a round drafts with one head throughout)."""
 
     reads_target_features = True
+    keeps_its_draft = False  # its next catch-up reruns every entry after the context it drafted from
 
     def __init__(self, head: EagleHead, target: torch.nn.Module, name: str, vocab_size: int, weights: str = "auto"):
         if weights not in WEIGHTS:
