@@ -223,10 +223,9 @@ def head_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss over every pair (f_i, token i+1) -> f_(i+1) whose target feature is real, plus each unrolled pass's
     over the entries `_step_masks` counts; readout [Vd, d]. Metrics: `top1` (a draft's first token), `top1_s` (its
-    token s from the head's own entries), `both` / `chain_s` (a greedy draft's first 2 / s tokens all right),
-    agreeing with the target's argmax over the draft vocabulary, or, given `whole` (the target's readout over its
-    whole vocabulary, [V, d]), with its argmax over every token: a position where the target picks a token outside
-    the draft vocabulary is one no draft gets right, as in decoding."""
+    token s from the head's own entries), `both` / `chain_s` (a greedy draft's first 2 / s tokens all right), against
+    the target's argmax over the draft vocabulary, or with `whole` (its readout [V, d]) over every token: a token
+    outside the draft vocabulary is a miss, as in decoding."""
     inputs = feats[:, :-1]
     if cfg.noise > 0:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * cfg.noise
@@ -255,8 +254,7 @@ def head_loss(
 
 
 def _argmax(features: torch.Tensor, readout: torch.Tensor) -> torch.Tensor:
-    """The target's argmax token at each row of final-norm `features` [N, d], computed in the readout's dtype (as
-    the target computes it), a block of rows at a time (a large vocabulary's logits need not be held at once)."""
+    """The target's argmax at each row of final-norm `features` [N, d], in the readout's dtype, by blocks of rows."""
     return torch.cat([(block.to(readout.dtype) @ readout.T).argmax(-1) for block in features.split(1024)])
 
 
