@@ -1,5 +1,6 @@
 """`metasd generate` and `calibrate`: the JSON contract, prompt files, T(M), clear errors with a non-zero exit."""
 
+import argparse
 import json
 
 import pytest
@@ -117,3 +118,15 @@ def test_serving_options_are_checked_before_anything_loads(capsys, argv, message
     code = main(argv)
     _, err = capsys.readouterr()
     assert code != 0 and message in err and "Traceback" not in err
+
+
+def test_learning_options_make_the_learning_config():
+    """`--learn-*` become the learner's configuration; `--learn-when-busy` lets it train beside decoding."""
+    from metasd.cli.args import add_learning_args, learning_config
+
+    parser = argparse.ArgumentParser()
+    add_learning_args(parser)
+    assert learning_config(parser.parse_args([])) is None
+    config = learning_config(parser.parse_args(["--learn-heads", "d", "--learn-every", "64", "--learn-when-busy"]))
+    assert config.when_busy and config.train_every == 64
+    assert not learning_config(parser.parse_args(["--learn-heads", "d"])).when_busy

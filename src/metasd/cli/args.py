@@ -88,6 +88,12 @@ def add_learning_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--learn-when-busy",
+        action="store_true",
+        help="with --learn-heads: train beside decoding too, at serving's expense (default: only in the gaps "
+        "between requests, so a load that never pauses leaves no time to learn)",
+    )
+    parser.add_argument(
         "--learn-every",
         type=int,
         default=4096,
@@ -110,7 +116,12 @@ def learning_config(args: argparse.Namespace):
 
     if args.learn_every < 1 or args.learn_buffer_tokens < 2 or not 0 < args.learn_share <= 1:
         raise ValueError("--learn-every must be >= 1, --learn-buffer-tokens >= 2 and --learn-share in (0, 1]")
-    return LearningConfig(share=args.learn_share, train_every=args.learn_every, buffer_tokens=args.learn_buffer_tokens)
+    return LearningConfig(
+        share=args.learn_share,
+        train_every=args.learn_every,
+        buffer_tokens=args.learn_buffer_tokens,
+        when_busy=args.learn_when_busy,
+    )
 
 
 def add_decoder_args(parser: argparse.ArgumentParser) -> None:
