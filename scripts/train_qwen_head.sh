@@ -7,9 +7,10 @@
 #    auto` for its 28 layers), in eagle-data/qwen-everyday/;
 # 3. training streamed: the target (bfloat16) prefills each batch's conversations for its features and next-token
 #    distributions, the head (bfloat16 autocast) learns them with the training-time test over 3 draft tokens, up to
-#    TOKENS positions, over a draft vocabulary of 16,384 tokens (a 151,646-token vocabulary: ShareGPT's 8,192 most
+#    TOKENS positions in steps of 2,048 (a new head on a short budget wants optimiser steps more than large
+#    batches: at 8,192 it agreed 0.04 after 10 steps), over a draft vocabulary of 16,384 tokens (a 151,646-token vocabulary: ShareGPT's 8,192 most
 #    frequent tokens cover 85 % of held-apart ShareGPT text, 16,384 cover 91 %; the readout grows from a fifth of
-#    the head's step to a third); held-out metrics every 25 steps; resumable (checkpoint.pt); the head in
+#    the head's step to a third); held-out metrics every 50 steps; resumable (checkpoint.pt); the head in
 #    specialists/eagle-qwen-coder/ (about 100 MB in float16: not shipped with the package).
 # Use: metasd bench --preset qwen-coder --drafters eagle:specialists/eagle-qwen-coder,ngram,suffix,lm:DRAFTER ...
 # Usage: bash scripts/train_qwen_head.sh   (from the repository root, in the project's venv; needs the pair from
@@ -24,12 +25,11 @@ import os
 from pathlib import Path
 from metasd.models.loading import load_model
 from metasd.specialists.eagle_corpus import encode_prompts, read_prompt_files, write_corpus
-out = Path("eagle-data/qwen-everyday")
-if not (out / "corpus.json").is_file():  # an interrupted run resumes from its shards
-    target = load_model(os.environ["TARGET"], "bfloat16")
-    prompts = encode_prompts(target.tokenizer, read_prompt_files(["experiments/data/everyday_requests.jsonl"]), 384)
-    write_corpus(target, prompts, out, max_new_tokens=192, batch_size=20, feature_layers=(1, 13))
+target = load_model(os.environ["TARGET"], "bfloat16")  # the corpus resumes from its shards (a finished one is read)
+prompts = encode_prompts(target.tokenizer, read_prompt_files(["experiments/data/everyday_requests.jsonl"]), 384)
+write_corpus(target, prompts, Path("eagle-data/qwen-everyday"), max_new_tokens=192, batch_size=20, feature_layers=(1, 13))
 PY
 metasd train-eagle --target "$TARGET" --dtype bfloat16 --stream --texts specialists/corpora/chat.jsonl \
     --texts-tokens "$tokens" --max-text-tokens 1024 --held-out eagle-data/qwen-everyday --epochs 1 --unroll 3 \
-    --feature-layers auto --draft-vocab 16384 --autocast --evaluate-every 25 --threads 2 --out specialists/eagle-qwen-coder
+    --feature-layers auto --draft-vocab 16384 --batch-tokens 2048 --autocast --evaluate-every 50 --threads 2 \
+    --out specialists/eagle-qwen-coder

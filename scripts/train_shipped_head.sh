@@ -14,11 +14,9 @@ python - <<'PY'
 from pathlib import Path
 from metasd.models.loading import load_model
 from metasd.specialists.eagle_corpus import encode_prompts, read_prompt_files, write_corpus
-out = Path("eagle-data/everyday")
-if not out.is_dir():
-    target = load_model(None, "float32")
-    prompts = encode_prompts(target.tokenizer, read_prompt_files(["experiments/data/everyday_requests.jsonl"]), 384)
-    write_corpus(target, prompts, out, max_new_tokens=256, batch_size=20, feature_layers=(1, 14))
+target = load_model(None, "float32")  # the corpus resumes from the shards written (a finished one is only read)
+prompts = encode_prompts(target.tokenizer, read_prompt_files(["experiments/data/everyday_requests.jsonl"]), 384)
+write_corpus(target, prompts, Path("eagle-data/everyday"), max_new_tokens=256, batch_size=20, feature_layers=(1, 14))
 PY
 out=src/metasd/heads/smollm2-135m-instruct
 common=(--dtype bfloat16 --stream --texts specialists/corpora/chat.jsonl --texts-tokens 2800000 --max-text-tokens 1024
