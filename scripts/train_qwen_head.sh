@@ -27,7 +27,8 @@ from metasd.models.loading import load_model
 from metasd.specialists.eagle_corpus import encode_prompts, read_prompt_files, write_corpus
 target = load_model(os.environ["TARGET"], "bfloat16")  # the corpus resumes from its shards (a finished one is read)
 prompts = encode_prompts(target.tokenizer, read_prompt_files(["experiments/data/everyday_requests.jsonl"]), 384)
-write_corpus(target, prompts, Path("eagle-data/qwen-everyday"), max_new_tokens=192, batch_size=20, feature_layers=(1, 13))
+out = Path("eagle-data/qwen-everyday")
+write_corpus(target, prompts, out, max_new_tokens=192, batch_size=20, feature_layers=(1, 13))
 PY
 metasd train-eagle --target "$TARGET" --dtype bfloat16 --stream --texts specialists/corpora/chat.jsonl \
     --texts-tokens "$tokens" --max-text-tokens 1024 --held-out eagle-data/qwen-everyday --epochs 1 --unroll 3 \
