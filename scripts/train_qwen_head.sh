@@ -8,9 +8,9 @@
 # 3. training streamed: the target (bfloat16) prefills each batch's conversations for its features and next-token
 #    distributions, the head (bfloat16 autocast) learns them with the training-time test over 3 draft tokens, up to
 #    TOKENS positions in steps of 2,048 (a new head on a short budget: more optimiser steps for the same
-#    positions), over a draft vocabulary of 16,384 tokens (of 151,646: ShareGPT's 8,192 most frequent tokens
-#    cover 85 % of held-apart ShareGPT text, 16,384 cover 91 %; the readout grows from a fifth of the head's step
-#    to a third); held-out metrics every 50 steps; resumable (checkpoint.pt); the head in
+#    positions), over a draft vocabulary of 16,384 tokens of 151,646 (what each size holds of the target's
+#    answers: docs/results/2026-12-06-qwen-head-streamed.md; the readout grows from a fifth of the head's step to
+#    a third); held-out metrics every 50 steps; resumable (checkpoint.pt); the head in
 #    specialists/eagle-qwen-coder/ (about 100 MB in float16: not shipped with the package).
 # Use: metasd bench --preset qwen-coder --drafters eagle:specialists/eagle-qwen-coder,ngram,suffix,lm:DRAFTER ...
 # Usage: bash scripts/train_qwen_head.sh   (from the repository root, in the project's venv; needs the pair from
