@@ -444,7 +444,7 @@ class Generation:
         score = self.policy.feedback(outcome) if self.policy is not None else None
         if drafter is not None and drafter.runs_model and draft.forwards:  # (no forward: it took nothing in) its
             # cache holds the context it drafted from and, if it keeps its draft, forwards - 1 of its tokens
-            kept = min(max(draft.forwards - 1, 0), accepted) if drafter.keeps_its_draft else 0
+            kept = min(draft.forwards - 1, accepted) if drafter.keeps_its_draft else 0
             self._synced[drafter.name] = start + kept
             self._drafted.add(drafter.name)
         clock.finished = time.perf_counter()
