@@ -1,5 +1,5 @@
-"""The batch's KV slots: every row's logits from one padded forward equal a lone forward over that row's context
-and draft (chains and trees, rows of different lengths), rows settle on accepted paths, and a row that leaves
+"""The batch's KV slots: every row's logits from one forward, padded or packed, equal a lone forward over that row's
+context and draft (chains and trees, rows of different lengths), rows settle on accepted paths, and a row that leaves
 moves another into its place without changing what it holds."""
 
 import pytest
@@ -17,6 +17,13 @@ from metasd.tree import DraftTree
 def model():
     torch.manual_seed(0)
     return tiny_llama(layers=2, num_key_value_heads=1)
+
+
+@pytest.fixture(params=["padded", "packed"])
+def body(request, monkeypatch):
+    """Every forward padded to its widest row, or every forward packed (`ragged`), whatever its rows' widths."""
+    monkeypatch.setattr(BatchedTarget, "PACK_WHEN_PADDED", float("inf") if request.param == "padded" else 0.0)
+    return request.param
 
 
 def _tree() -> DraftTree:
@@ -38,7 +45,7 @@ def _rounds():
 
 
 @pytest.mark.parametrize("layers", [(), (0,)])
-def test_every_rows_logits_equal_a_lone_forward(model, layers):
+def test_every_rows_logits_equal_a_lone_forward(model, layers, body):
     """Each row's logits and its features (the final norm's, after a lower layer's where a fused head reads it)."""
     batch = BatchedTarget(model, rows=4, keep_features=True, capacity=8, feature_layers=layers)  # grows as it goes
     rows = [batch.add_row() for _ in range(3)]
@@ -60,7 +67,7 @@ def test_every_rows_logits_equal_a_lone_forward(model, layers):
         torch.testing.assert_close(row.features_for(context), fresh.features_for(context), atol=1e-5, rtol=1e-5)
 
 
-def test_a_leaving_row_moves_the_last_one_into_its_place(model):
+def test_a_leaving_row_moves_the_last_one_into_its_place(model, body):
     batch = BatchedTarget(model, rows=3)
     rows = [batch.add_row() for _ in range(3)]
     contexts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
@@ -75,7 +82,7 @@ def test_a_leaving_row_moves_the_last_one_into_its_place(model):
     assert batch.add_row().index == 2
 
 
-def test_a_row_between_the_named_ones_rides_along_and_keeps_its_cache(model):
+def test_a_row_between_the_named_ones_is_fed_nothing_and_keeps_its_cache(model, body):
     """Rows 0 and 2 decode while row 1's prompt is half in (a chunked prefill): the forward over rows 0 and 2
     feeds row 1 nothing, and once its prompt is all in, its logits are still a lone forward's."""
     batch = BatchedTarget(model, rows=3, capacity=8)
@@ -122,6 +129,33 @@ def test_a_prompt_chunk_packed_beside_the_rows_leaves_every_row_as_alone(model, 
     fresh = CachedModel(model, keep_features=True, feature_layers=layers)
     fresh.logits_for(contexts[1])
     torch.testing.assert_close(rows[1].features_for(contexts[1]), fresh.features_for(contexts[1]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_forward_packs_where_padding_would_feed_more_than_its_rows_carry(model, monkeypatch):
+    """Rows of one width are padded; a wide draft beside one-token rows, or one-token rows with rows fed nothing
+    between them, are packed."""
+    batch = BatchedTarget(model, rows=4, capacity=8)
+    rows = [batch.add_row() for _ in range(4)]
+    contexts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    for row, context in zip(rows, contexts, strict=True):
+        batch.prefill(row, context)
+    packs = []
+    real = BatchedTarget._packed_body
+    monkeypatch.setattr(BatchedTarget, "_packed_body", lambda self, *a: packs.append(True) or real(self, *a))
+
+    def packed(widths: list[int | None]) -> bool:
+        packs.clear()
+        for i, width in enumerate(widths):
+            if width is not None:
+                contexts[i] = contexts[i] + [20 + i]
+        items = [(rows[i], contexts[i], DraftTree.chain(Draft([3] * (w - 1)))) for i, w in enumerate(widths) if w]
+        batch.forward(items)
+        return bool(packs)
+
+    assert not packed([2, 2, 2, 2])
+    assert packed([6, 1, 1, 1])
+    assert packed([1, None, None, 1])
+    assert not packed([3, 3, None, 3])  # 12 padded positions for 9 fed
 
 
 def test_a_full_batch_and_a_sliding_window_model_are_refused(model):

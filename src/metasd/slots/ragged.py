@@ -1,11 +1,12 @@
 """A ragged forward: every row's new tokens packed into one sequence, none padded (vLLM's flattened batch).
 
 A batch forward pads every row to the widest one, and on a CPU a padded position costs what a real one does. That
-is cheap while rows are a token and a draft each, and ruinous when one row is a prompt chunk of a hundred tokens
-beside three rows of six: the chunk would widen every row. Packed instead, the model's projections and MLPs run
-over the sum of the rows' tokens; only attention is per row, and it reads each row's own keys and values from the
-batch's slots (`slots._SlotLayer`). The attention of each row is the model's own SDPA attention over that row's
-span with its own mask (causal, or a draft tree's), so a row's numbers are those of the padded forward.
+is cheap while rows are a token and a draft each of about one length, and ruinous when one row is a prompt chunk of
+a hundred tokens beside three rows of six: the chunk would widen every row (`BatchedTarget` packs once padding would
+feed half again the rows' own tokens). Packed instead, the model's projections and MLPs run over the sum of the
+rows' tokens; only attention is per row, and it reads each row's own keys and values from the batch's slots
+(`slots._SlotLayer`). The attention of each row is the model's own SDPA attention over that row's span with its own
+mask (causal, or a draft tree's), so a row's numbers are those of the padded forward.
 
 The model runs with `config._attn_implementation` set to this module's function for the length of the forward
 (`packed`); a model whose attention modules do not look it up at each call, or have no `layer_idx`, fails the

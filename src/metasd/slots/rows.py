@@ -5,7 +5,8 @@ while requests join and leave between rounds. Each request here owns a row of a 
 [rows, heads, capacity, head_dim] per layer: a round writes each row's new tokens at that row's own positions
 (a scatter, nothing of the cached context is copied) and attends through a 4D additive mask, so rows of different
 lengths, each with its own draft (a chain or a draft tree, `metasd.tree`), share one forward padded to the widest;
-a forward carrying a prompt chunk packs every row's tokens instead (`ragged`).
+a forward whose padding would cost more than packing packs every row's tokens instead (`ragged`): a prompt chunk
+beside decoding rows, drafts of different lengths, rows fed nothing between fed ones.
 
 A row mirrors a token list exactly as `CachedModel` does: before a forward it keeps the cached prefix the new
 context shares (a tree's entries settled on the path the context follows) and feeds the rest, so no caller crops.
@@ -143,14 +144,19 @@ class Row:
 
 class BatchedTarget:
     """The target model over rows of slots: `forward` verifies each row's draft tree after its context, all rows in
-    one model call (rows between the ones named ride along fed nothing), and may carry a chunk of a joining
-    row's prompt packed beside them (`ragged`).
+    one model call, and may carry a chunk of a joining row's prompt beside them. The call pads every row to the
+    widest (rows between the ones named ride along, fed nothing) unless padding would feed `PACK_WHEN_PADDED` times
+    the rows' own tokens or more: then it packs them (`ragged`), where a row costs its tokens and a little
+    attention of its own.
 
     Memory: a row's slots and features grow with its context, up to the model's context (`context_length`) and a
     round's width past it, and shrink again once the longest request has left; a prompt is prefilled in chunks of
     `PREFILL_CHUNK` tokens, so no mask or attention score is ever [prompt, prompt]."""
 
     PREFILL_CHUNK = 256
+    # padded positions over fed ones from which a packed forward is the faster: its per-row attention costs about
+    # what padding to 1.5x does (`experiments/padded_vs_packed.py` measures the two on a machine)
+    PACK_WHEN_PADDED = 1.5
 
     def __init__(
         self,
@@ -258,8 +264,8 @@ class BatchedTarget:
         """Per (row, context, tree): logits [1 + tree.size, V] on the CPU, row 0 after the context and 1 + i after
         node i, as `CachedModel.logits_for_tree` gives them; the row then holds the context (the tree settles at
         its next use). prefill: a joining request's row and the prompt tokens it should hold after this forward
-        (a chunk of its prompt sharing the forward, packed beside the others: `ragged`). Rows between the ones
-        named (requests still prefilling) ride along fed nothing."""
+        (a chunk of its prompt sharing the forward). Rows between the ones named (requests still prefilling, forks
+        not drafting) are fed nothing."""
         chunk = [] if prefill is None else [(prefill[0], prefill[1], DraftTree())]
         rows = [row for row, _, _ in [*items, *chunk]]
         fed, started = sum(row.fed_tokens for row in rows), time.perf_counter()
@@ -288,8 +294,9 @@ class BatchedTarget:
             keep = min(common_prefix(row.tokens, context), len(context) - (row.index in verified))
             feeds.append(context[keep:])
             keeps.append(keep)
-        body = self._packed_body if items and prefill else self._body
-        hidden = body(span, feeds, keeps) if any(f or t.size for f, (_, _, t) in zip(feeds, span, strict=True)) else []
+        widths = [len(feed) + tree.size for feed, (_, _, tree) in zip(feeds, span, strict=True)]
+        body = self._packed_body if len(span) * max(widths) >= self.PACK_WHEN_PADDED * sum(widths) else self._body
+        hidden = body(span, feeds, keeps) if any(widths) else []
         out = []
         for (row, context, tree), feed, states in zip(span, feeds, hidden or [None] * len(span), strict=True):
             row.fed_tokens += len(feed) + tree.size
@@ -395,12 +402,13 @@ _CHECKED: weakref.WeakSet = weakref.WeakSet()  # models that passed `check_batch
 
 @torch.inference_mode()
 def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None) -> None:
-    """Refuse, with a clear error, a model whose logits through the batch's slots are not its own forward's: two
-    rows of different lengths (a chain draft each) against `model(...)` over each row alone. Whatever an
-    architecture does that the slots do not reproduce (a transform after the body that `ModelHead` misses, an
-    attention that ignores the 4D mask, positions that reach across rows) shows here, at start-up, instead of as
-    a silently different distribution. tolerance: of the largest logit (default 1e-3 in float32, 5e-2 in 16 bits).
-    A model that passed with the default tolerance is not checked again (`metasd.generate` builds a batch a call)."""
+    """Refuse, with a clear error, a model whose logits through the batch's slots are not its own forward's: rows
+    of different lengths (a chain draft each; padded and packed forwards) against `model(...)` over each row alone.
+    Whatever an architecture does that the slots do not reproduce (a transform after the body that `ModelHead`
+    misses, an attention that ignores the 4D mask, positions that reach across rows) shows here, at start-up,
+    instead of as a silently different distribution. tolerance: of the largest logit (default 1e-3 in float32,
+    5e-2 in 16 bits). A model that passed with the default tolerance is not checked again (`metasd.generate` builds a
+    batch a call)."""
     if tolerance is None and model in _CHECKED:
         return
     dtype = next(model.parameters()).dtype
@@ -408,16 +416,18 @@ def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None)
     tolerance = (1e-3 if dtype == torch.float32 else 5e-2) if default else tolerance
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    contexts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 4, 7)]
-    drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in (2, 4, 1)]
-    target = BatchedTarget(model, rows=3, capacity=16)
+    contexts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 4, 14, 7)]
+    drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in (2, 2, 4, 0)]
+    target = BatchedTarget(model, rows=4, capacity=16)
     rows = [target.add_row() for _ in contexts]
-    for row, context in zip(rows[:2], contexts[:2], strict=True):
-        target.prefill(row, context)
-    target.prefill(rows[2], contexts[2], tokens=2)
+    for row, context in zip(rows, contexts, strict=True):
+        target.prefill(row, context, tokens=2 if row is rows[2] else None)
     items = [(row, c, DraftTree.chain(Draft(d))) for row, c, d in zip(rows, contexts, drafts, strict=True)]
-    # two rows verified with a third row's prompt chunk packed beside them (`ragged`), then that row verified
-    got = target.forward(items[:2], prefill=(rows[2], contexts[2][:6])) + target.forward(items[2:])
+    # two rows of one width verified padded; a row verified with a long chunk of row 2's prompt beside it, packed
+    # (`ragged`); then row 2 verified
+    padded = target.forward(items[:2])
+    packed = target.forward(items[3:], prefill=(rows[2], contexts[2][:13]))
+    got = padded + target.forward(items[2:3]) + packed
     device = next(model.parameters()).device
     for logits, context, draft in zip(got, contexts, drafts, strict=True):
         ids = torch.tensor([context + draft], device=device)
