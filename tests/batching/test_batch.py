@@ -227,19 +227,21 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_keep_decoding(decoder, 
 def test_a_chunk_riding_in_a_round_is_left_out_of_the_decoding_requests_rewards(decoder, monkeypatch):
     """The decoding requests' policies are rewarded for a round as it costs without the joiner's chunk (a chunk
     made 0.3 s slower here), as for a prompt's prefill: a slow joiner must not teach them that rounds are slow."""
-    seen = []
-    original_feedback, original_packed = AdaptivePolicy.feedback, BatchedTarget._packed_body
+    seen, chunks = [], []
+    original_feedback, original_run = AdaptivePolicy.feedback, BatchedTarget._run
 
     def feedback(policy, outcome):
         seen.append(outcome.verify_time)
         return original_feedback(policy, outcome)
 
-    def slow_packed(target, *args):
-        time.sleep(0.3)
-        return original_packed(target, *args)
+    def slow_chunk(target, items, logits, prefill=()):
+        if prefill:  # inside the round's forward, packed or padded
+            chunks.append(len(prefill))
+            time.sleep(0.3)
+        return original_run(target, items, logits, prefill)
 
     monkeypatch.setattr(AdaptivePolicy, "feedback", feedback)
-    monkeypatch.setattr(BatchedTarget, "_packed_body", slow_packed)
+    monkeypatch.setattr(BatchedTarget, "_run", slow_chunk)
     batch = Batch(decoder, max_batch=3)
     running = [decoder.stream(p, max_new_tokens=20) for p in PROMPTS[:2]]
     for request in running:
@@ -248,7 +250,7 @@ def test_a_chunk_riding_in_a_round_is_left_out_of_the_decoding_requests_rewards(
     batch.join(decoder.stream(" ".join(PROMPTS * 4), max_new_tokens=2))
     seen.clear()
     batch.step()
-    assert len(seen) == 2 and max(seen) < 0.3, seen
+    assert chunks and len(seen) == 2 and max(seen) < 0.3, seen
 
 
 def test_each_requests_verify_time_is_the_forward_and_its_own_acceptance(decoder, monkeypatch):

@@ -133,7 +133,7 @@ def test_a_prompt_chunk_packed_beside_the_rows_leaves_every_row_as_alone(model, 
 
 def test_a_forward_packs_where_padding_would_feed_more_than_its_rows_carry(model, monkeypatch):
     """Rows of one width are padded; a wide draft beside one-token rows, or one-token rows with rows fed nothing
-    between them, are packed."""
+    between them, are packed (a row's width: the token its prompt left out, or the target's last, and its draft)."""
     batch = BatchedTarget(model, rows=4, capacity=8)
     rows = [batch.add_row() for _ in range(4)]
     contexts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
@@ -156,6 +156,7 @@ def test_a_forward_packs_where_padding_would_feed_more_than_its_rows_carry(model
     assert packed([6, 1, 1, 1])
     assert packed([1, None, None, 1])
     assert not packed([3, 3, None, 3])  # 12 padded positions for 9 fed
+    assert packed([1, None, 1])  # 3 for 2: the ratio itself
 
 
 def test_a_full_batch_and_a_sliding_window_model_are_refused(model):

@@ -9,10 +9,10 @@ request decoding alone runs) over the requests whose prompts are in, with one de
 makes its own choice, as `Generation.step` does.
 
 A joining request's prompt enters in chunks (chunked prefill, as Sarathi-Serve, Agrawal et al., OSDI 2024, and
-vLLM do): each step's forward carries a chunk of the first waiting prompt packed beside the decoding rows
-(`ragged`), sized from measured step times so that it takes a share of the step (`prefill_share`) and the requests
-decoding keep their pace while a long prompt joins. A batch where nobody decodes prefills its joiners whole:
-nobody waits for them.
+vLLM do): each step's forward carries a chunk of the first waiting prompt beside the decoding rows (packed,
+`ragged`, unless the chunk is short beside wide drafts), sized from measured step times so that it takes a share
+of the step (`prefill_share`) and the requests decoding keep their pace while a long prompt joins. A batch where
+nobody decodes prefills its joiners whole: nobody waits for them.
 """
 
 from __future__ import annotations
@@ -173,9 +173,10 @@ class Batch:
         return request.context[: min(len(request.target.tokens) + self._chunk, len(request.context) - 1)]
 
     def _timed(self, step_seconds: float) -> None:
-        """The next chunk's length from this step's: a chunk should take `prefill_share` of a step. The packed
-        forward's time is a pass over the weights, T(1) (`costs`), shared by every row, plus about the same time
-        for each token it carried; the chunk's time is its tokens' part, the rest of the step is what the decoding
+        """The next chunk's length from this step's: a chunk should take `prefill_share` of a step. The forward's
+        time is a pass over the weights, T(1) (`costs`), shared by every row, plus about the same time for each
+        position it computed (`last_forward`: the rows' tokens, and the padding where it was padded); the chunk's
+        time is its tokens' part, the rest of the step is what the decoding
         requests would have waited anyway. Its length is scaled by the time allowed over the time taken, growing at
         most by half and shrinking at most by half a step (a long chunk overshooting is a long gap for everyone), at
         least `MIN_CHUNK` tokens (every prompt gets in) and at most `PREFILL_CHUNK`."""

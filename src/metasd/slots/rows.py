@@ -181,7 +181,10 @@ class BatchedTarget:
         self.feature_layers = tuple(feature_layers)
         self.features: torch.Tensor | None = None  # [rows, capacity, D]
         self.rows: list[Row | None] = [None] * rows
-        self.last_forward = (0, 0.0)  # the last `forward`'s tokens fed (rows' new tokens and trees) and seconds
+        # the last `forward`'s positions computed (rows' new tokens and trees, and a padded forward's padding) and
+        # seconds
+        self.last_forward = (0, 0.0)
+        self._computed = 0  # positions the last model call computed
 
     # --- rows ------------------------------------------------------------------------------------------------------
 
@@ -267,10 +270,9 @@ class BatchedTarget:
         (a chunk of its prompt sharing the forward). Rows between the ones named (requests still prefilling, forks
         not drafting) are fed nothing."""
         chunk = [] if prefill is None else [(prefill[0], prefill[1], DraftTree())]
-        rows = [row for row, _, _ in [*items, *chunk]]
-        fed, started = sum(row.fed_tokens for row in rows), time.perf_counter()
+        started = time.perf_counter()
         logits = self._run(items, logits=True, prefill=chunk)
-        self.last_forward = (sum(row.fed_tokens for row in rows) - fed, time.perf_counter() - started)
+        self.last_forward = (self._computed, time.perf_counter() - started)
         return logits
 
     def _run(self, items, logits: bool, prefill=()) -> list[torch.Tensor]:
@@ -295,8 +297,9 @@ class BatchedTarget:
             feeds.append(context[keep:])
             keeps.append(keep)
         widths = [len(feed) + tree.size for feed, (_, _, tree) in zip(feeds, span, strict=True)]
-        body = self._packed_body if len(span) * max(widths) >= self.PACK_WHEN_PADDED * sum(widths) else self._body
-        hidden = body(span, feeds, keeps) if any(widths) else []
+        pack = len(span) * max(widths) >= self.PACK_WHEN_PADDED * sum(widths)
+        hidden = (self._packed_body if pack else self._body)(span, feeds, keeps) if any(widths) else []
+        self._computed = sum(widths) if pack else len(span) * max(widths)
         out = []
         for (row, context, tree), feed, states in zip(span, feeds, hidden or [None] * len(span), strict=True):
             row.fed_tokens += len(feed) + tree.size
@@ -416,17 +419,17 @@ def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None)
     tolerance = (1e-3 if dtype == torch.float32 else 5e-2) if default else tolerance
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    contexts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 4, 14, 7)]
-    drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in (2, 2, 4, 0)]
+    contexts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 4, 12, 7)]
+    drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in (2, 4, 1, 1)]
     target = BatchedTarget(model, rows=4, capacity=16)
     rows = [target.add_row() for _ in contexts]
     for row, context in zip(rows, contexts, strict=True):
         target.prefill(row, context, tokens=2 if row is rows[2] else None)
     items = [(row, c, DraftTree.chain(Draft(d))) for row, c, d in zip(rows, contexts, drafts, strict=True)]
-    # two rows of one width verified padded; a row verified with a long chunk of row 2's prompt beside it, packed
-    # (`ragged`); then row 2 verified
+    # two rows of widths 3 and 5 verified padded; row 3 verified with a chunk of 9 of row 2's prompt tokens beside
+    # it, packed (`ragged`); then row 2 verified
     padded = target.forward(items[:2])
-    packed = target.forward(items[3:], prefill=(rows[2], contexts[2][:13]))
+    packed = target.forward(items[3:], prefill=(rows[2], contexts[2][:11]))
     got = padded + target.forward(items[2:3]) + packed
     device = next(model.parameters()).device
     for logits, context, draft in zip(got, contexts, drafts, strict=True):
