@@ -3,7 +3,7 @@
 # 1. ShareGPT conversations held apart from any prompt set (specialists/corpora/chat.jsonl; never a benchmark set);
 # 2. training streamed: the target (bfloat16) prefills each batch's conversations for its features (layers 1 and 14
 #    and the final norm) and next-token distributions, the head (bfloat16 autocast) learns them with the
-#    training-time test over 3 draft tokens, in two phases; held-out metrics on the target's answers to everyday
+#    training-time test over 3 draft tokens, in three phases; held-out metrics on the target's answers to everyday
 #    requests of the project's own writing (experiments/data/everyday_requests.jsonl) every 50 steps; resumable
 #    (checkpoint.pt);
 # 3. the head written into the package (checkpoint and learning curve stay out of it).
@@ -19,12 +19,14 @@ prompts = encode_prompts(target.tokenizer, read_prompt_files(["experiments/data/
 write_corpus(target, prompts, Path("eagle-data/everyday"), max_new_tokens=256, batch_size=20, feature_layers=(1, 14))
 PY
 out=src/metasd/heads/smollm2-135m-instruct
-common=(--dtype bfloat16 --stream --texts specialists/corpora/chat.jsonl --texts-tokens 2800000 --max-text-tokens 1024
+common=(--dtype bfloat16 --stream --texts specialists/corpora/chat.jsonl --max-text-tokens 1024
     --held-out eagle-data/everyday --epochs 1 --unroll 3 --feature-layers auto --autocast --evaluate-every 50
     --threads 2)
-# two phases of 2.8 M positions each, the second from the first's head, on the conversations after the first's
-# (each its own warm-up and cosine schedule)
-metasd train-eagle "${common[@]}" --out eagle-data/head-stream-amx
-metasd train-eagle "${common[@]}" --init eagle-data/head-stream-amx --texts-skip-tokens 2800000 \
-    --out eagle-data/head-stream-amx-2
-mkdir -p "$out" && cp eagle-data/head-stream-amx-2/config.json eagle-data/head-stream-amx-2/head.safetensors "$out/"
+# three phases (2.8 M, 2.8 M and 4.4 M positions), each from the last one's head, on the conversations after the
+# last one's (each its own warm-up and cosine schedule)
+metasd train-eagle "${common[@]}" --texts-tokens 2800000 --out eagle-data/head-stream-amx
+metasd train-eagle "${common[@]}" --texts-tokens 2800000 --init eagle-data/head-stream-amx \
+    --texts-skip-tokens 2800000 --out eagle-data/head-stream-amx-2
+metasd train-eagle "${common[@]}" --texts-tokens 4400000 --init eagle-data/head-stream-amx-2 \
+    --texts-skip-tokens 5600000 --out eagle-data/head-stream-amx-3
+mkdir -p "$out" && cp eagle-data/head-stream-amx-3/config.json eagle-data/head-stream-amx-3/head.safetensors "$out/"
