@@ -184,7 +184,6 @@ class BatchedTarget:
         # the last `forward`'s positions computed (rows' new tokens and trees, and a padded forward's padding) and
         # seconds
         self.last_forward = (0, 0.0)
-        self._computed = 0  # positions the last model call computed
 
     # --- rows ------------------------------------------------------------------------------------------------------
 
@@ -271,11 +270,12 @@ class BatchedTarget:
         not drafting) are fed nothing."""
         chunk = [] if prefill is None else [(prefill[0], prefill[1], DraftTree())]
         started = time.perf_counter()
-        logits = self._run(items, logits=True, prefill=chunk)
-        self.last_forward = (self._computed, time.perf_counter() - started)
+        logits, computed = self._run(items, logits=True, prefill=chunk)
+        self.last_forward = (computed, time.perf_counter() - started)
         return logits
 
-    def _run(self, items, logits: bool, prefill=()) -> list[torch.Tensor]:
+    def _run(self, items, logits: bool, prefill=()) -> tuple[list[torch.Tensor], int]:
+        """The verified rows' logits (`forward`), and the positions the model call computed."""
         named = {row.index: item for item in [*items, *prefill] for row in item[:1]}
         if len(named) != len(items) + len(prefill):
             raise ValueError("a forward names a row twice")
@@ -299,7 +299,7 @@ class BatchedTarget:
         widths = [len(feed) + tree.size for feed, (_, _, tree) in zip(feeds, span, strict=True)]
         pack = len(span) * max(widths) >= self.PACK_WHEN_PADDED * sum(widths)
         hidden = (self._packed_body if pack else self._body)(span, feeds, keeps) if any(widths) else []
-        self._computed = sum(widths) if pack else len(span) * max(widths)
+        computed = sum(widths) if pack else len(span) * max(widths)
         out = []
         for (row, context, tree), feed, states in zip(span, feeds, hidden or [None] * len(span), strict=True):
             row.fed_tokens += len(feed) + tree.size
@@ -307,10 +307,10 @@ class BatchedTarget:
             if row.index in verified:
                 out.append((row.index, states[len(feed) - 1 : len(feed) + tree.size]))
         if not out:
-            return []
+            return [], computed
         chunks = self.head(torch.cat([states for _, states in out])).float().cpu()  # only what verification reads
         by_row = dict(zip([i for i, _ in out], chunks.split([len(states) for _, states in out]), strict=True))
-        return [by_row[row.index] for row, _, _ in items]  # in the caller's order
+        return [by_row[row.index] for row, _, _ in items], computed  # in the caller's order
 
     def _body(self, items, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor]:
         """The decoder's final hidden states [fed, d] of each row's feed and tree: one forward with every row
