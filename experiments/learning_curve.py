@@ -1,21 +1,27 @@
-"""A head learning from the traffic it drafts for: its acceptance over 200 code requests, then the learned head
-against the head as loaded on the last 50, interleaved.
+"""A head learning from the traffic it drafts for: its acceptance over 200 requests of one domain, then the learned
+head against the head as loaded on the last 50, interleaved.
 
-Requests: complete a function of the `click` package's source (its signature, docstring and first lines, shuffled
-with a fixed seed; no benchmark set), greedy, 64 new tokens, embedded model, float32, default pool. Phase 1: the
-200 requests under `fixed:eagle` (the head drafts every round, so its acceptance is measured on every request)
-while the learner (`metasd.learning`, defaults but `LEARN_EVERY`, half a core at serving's priority) trains in
-the background. Phase 2:
-the learner stopped, each of the last 50 prompts four times in turn: fixed:eagle and the default policy, each
-with the learned head and with the head as loaded (the drafter's history key set to None).
-Usage: python experiments/learning_curve.py [REQUESTS] [LEARN_EVERY]   (default 200 2048)
+Requests (shuffled with a fixed seed; no benchmark set), greedy, 64 new tokens, embedded model, float32, default
+pool. `code`: complete a function of the `click` package's source (its signature, docstring and first lines).
+`translation`: translate into English one message of Django's own catalogs (its compiled gettext files, German,
+French, Spanish, Italian, Portuguese or Dutch, 5 words or more; `pip install django` first): little of an answer
+can be copied from its prompt, so the free drafters propose little. Phase 1: the 200 requests under `fixed:eagle`
+(the head drafts every round, so its acceptance is measured on every request) while the learner
+(`metasd.learning`, defaults but `--learn-every`, half a core at serving's priority) trains in the background.
+Phase 2: the learner stopped, each of the last 50 prompts (`--tail`) four times in turn: fixed:eagle and the
+default policy (`--policies`), each with the learned head and with the head as loaded (the drafter's history key
+set to None).
+Usage: python experiments/learning_curve.py [--domain code|translation] [--requests 200] [--learn-every 2048]
+  [--tail 50] [--new-tokens 64] [--target SPEC --drafters A,B,... --dtype bfloat16]   (another pair: its head among
+  the drafters, named eagle:...)
 """
 
+import argparse
 import ast
+import gettext
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -24,13 +30,8 @@ import click
 from metasd import Decoder
 from metasd.learning import LearningConfig, learn_heads
 
-REQUESTS = int(sys.argv[1]) if len(sys.argv) > 1 else 200
-LEARN_EVERY = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
-TAIL = 50
-NEW_TOKENS = 64
 
-
-def prompts(n: int) -> list[str]:
+def code_prompts(n: int) -> list[str]:
     """Function openings from click's source: up to 12 lines of each function of 8 or more lines."""
     out = []
     for path in sorted(Path(click.__file__).parent.glob("*.py")):
@@ -47,6 +48,30 @@ def prompts(n: int) -> list[str]:
     return out[:n]
 
 
+LANGUAGES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "pt": "Portuguese", "nl": "Dutch"}
+
+
+def translation_prompts(n: int) -> list[str]:
+    """Messages of Django's compiled catalogs (every app's, each language above), one request per distinct message."""
+    import django
+
+    seen, out = set(), []
+    for mo in sorted(Path(django.__file__).parent.rglob("locale/*/LC_MESSAGES/django.mo")):
+        lang = mo.parts[-3]
+        if lang not in LANGUAGES:
+            continue
+        with mo.open("rb") as f:
+            catalog = gettext.GNUTranslations(f)._catalog
+        for english, other in sorted(catalog.items(), key=str):
+            if isinstance(english, str) and english and len(other.split()) >= 5 and other not in seen:
+                seen.add(other)
+                out.append(f"Translate {LANGUAGES[lang]} to English: {other}")
+    random.Random(0).shuffle(out)
+    if len(out) < n:
+        raise SystemExit(f"only {len(out)} messages")
+    return out[:n]
+
+
 def head_stats(result, name: str) -> tuple[int, int, int]:
     """(rounds the head drafted, tokens it drafted, tokens accepted)."""
     d = result.stats.drafters().get(name)
@@ -54,18 +79,30 @@ def head_stats(result, name: str) -> tuple[int, int, int]:
 
 
 def main() -> None:
-    decoder = Decoder()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--domain", choices=("code", "translation"), default="code")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--learn-every", type=int, default=2048, help="new tokens between rounds of learning")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--tail", type=int, default=50, help="requests compared at each end of the curve")
+    parser.add_argument("--target", default=None, help="default: the embedded model")
+    parser.add_argument("--drafters", default=None, help="the pool, comma-separated (default: the default pool)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--policies", default="fixed,default", help="phase 2's policies: fixed (the head), default")
+    args = parser.parse_args()
+    pool = {"drafters": args.drafters.split(",")} if args.drafters else {}
+    decoder = Decoder(target=args.target, dtype=args.dtype, **pool)
     eagle = next(name for name in decoder.drafter_names if name.startswith("eagle"))
     drafter = decoder.drafters[eagle]
     # the requests run back to back on every core, so a trainer at the lowest priority would get nothing: it runs
     # at serving's priority with half a core (phase 1's timings are not compared; phase 2 runs without it)
-    (learner,) = learn_heads(decoder, LearningConfig(train_every=LEARN_EVERY, share=0.5, nice=0))
+    (learner,) = learn_heads(decoder, LearningConfig(train_every=args.learn_every, share=0.5, nice=0))
     learner.start()
-    ps = prompts(REQUESTS)
+    ps = (code_prompts if args.domain == "code" else translation_prompts)(args.requests)
     started = time.perf_counter()
     curve = []
     for i, prompt in enumerate(ps):
-        result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, policy=f"fixed:{eagle}")
+        result = decoder.generate(prompt, max_new_tokens=args.new_tokens, policy=f"fixed:{eagle}")
         rounds, drafted, accepted = head_stats(result, eagle)
         curve.append(
             {
@@ -97,13 +134,14 @@ def main() -> None:
             1, sum(r["rounds"] for r in rows)
         )
 
-    runs = {(policy, head): [] for policy in ("fixed", "default") for head in ("learned", "loaded")}
-    for prompt in ps[-TAIL:]:
-        for policy in ("fixed", "default"):
+    policies = args.policies.split(",")
+    runs = {(policy, head): [] for policy in policies for head in ("learned", "loaded")}
+    for prompt in ps[-args.tail :]:
+        for policy in policies:
             for head in ("learned", "loaded"):
                 drafter.use_history("" if head == "learned" else None)
                 result = decoder.generate(
-                    prompt, max_new_tokens=NEW_TOKENS, policy=f"fixed:{eagle}" if policy == "fixed" else None
+                    prompt, max_new_tokens=args.new_tokens, policy=f"fixed:{eagle}" if policy == "fixed" else None
                 )
                 rounds, drafted, accepted = head_stats(result, eagle)
                 runs[policy, head].append(
@@ -117,13 +155,14 @@ def main() -> None:
                 )
     drafter.use_history("")
     summary = {
-        "requests": REQUESTS,
-        "learn_every": LEARN_EVERY,
+        "domain": args.domain,
+        "requests": args.requests,
+        "learn_every": args.learn_every,
         "phase1_seconds": round(phase1, 1),
         "versions": drafter.version[1],
         "learner": learner.stats(),
-        "first50_mean_accepted": round(mean_accepted(curve[:TAIL]), 3),
-        "last50_mean_accepted": round(mean_accepted(curve[-TAIL:]), 3),
+        "first_tail_mean_accepted": round(mean_accepted(curve[: args.tail]), 3),
+        "last_tail_mean_accepted": round(mean_accepted(curve[-args.tail :]), 3),
         "tail": {
             f"{policy}/{head}": {
                 "mean_accepted": round(mean_accepted(rows), 3),

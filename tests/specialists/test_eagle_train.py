@@ -2,6 +2,7 @@
 where it stopped, and a head the decoder drafts with (greedy output unchanged)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from metasd.specialists.eagle_corpus import (
 from metasd.specialists.eagle_train import (
     StoredSequences,
     TrainConfig,
+    head_loss,
     head_passes,
     held_out_metrics,
     train_head,
@@ -242,6 +244,41 @@ def test_every_unrolled_pass_computes_what_the_draft_step_it_stands_for_computes
                 i = start + step - 1
                 out = head(out, embeds[:, i : i + 1], cache=cache)
                 assert torch.allclose(out[:, 0], preds[step - 1][:, i], atol=1e-5), (start, step)
+
+
+def _chain_text(head, embed, readout, feats, n: int, follow: bool) -> torch.Tensor:
+    """Tokens [1, n] built left to right so that the token each entry's first-pass prediction hands on (entry j
+    drafts token j + 2) is the head's own top-1 there (`follow`) or never is."""
+    tokens = torch.zeros(1, n, dtype=torch.long)
+    with torch.no_grad():
+        for j in range(n - 2):  # entry j reads tokens up to j + 1 only, so later tokens leave its prediction alone
+            top = (head_passes(head, feats[:, : j + 1], embed(tokens[:, 1 : j + 2]), 1)[0][0, j] @ readout.T).argmax()
+            tokens[0, j + 2] = top if follow else (top + 1) % readout.shape[0]
+    return tokens
+
+
+def test_the_alignment_mask_trains_an_unrolled_pass_only_where_the_draft_before_it_held_its_input():
+    """GRIFFIN's mask (`align_top`): on text that always follows the head's own top-1 the second pass trains on every
+    entry, as without the mask; on text that never does, on none, so the loss is the first pass's alone."""
+    torch.manual_seed(0)
+    model = tiny_llama(64, layers=1)
+    head = EagleHead(head_config_for(model, 64, ()), torch.arange(64)).eval()
+    embed, readout = model.get_input_embeddings(), model.get_output_embeddings().weight.detach()
+    n = 12
+    feats = torch.randn(1, n, model.config.hidden_size)
+    real = torch.ones(1, n, dtype=torch.bool)
+
+    def loss(tokens, **cfg):
+        with torch.no_grad():
+            return head_loss(head, embed, readout, tokens, feats, real, TrainConfig(noise=0.0, **cfg))[0]
+
+    follows, never = (_chain_text(head, embed, readout, feats, n, follow) for follow in (True, False))
+    torch.testing.assert_close(loss(follows, unroll=2, align_top=1), loss(follows, unroll=2))
+    torch.testing.assert_close(loss(never, unroll=2, align_top=1), loss(never, unroll=1))
+    assert loss(never, unroll=2) > loss(never, unroll=1) + 0.1
+    torch.testing.assert_close(loss(never, unroll=2, align_top=64), loss(never, unroll=2))  # top-64: all of it
+    with pytest.raises(ValueError, match="align_top"):
+        train_head(SimpleNamespace(model=model), None, None, TrainConfig(unroll=1, align_top=2))
 
 
 def _memorised(target, corpus, out, unroll: int, **overrides):

@@ -99,6 +99,14 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "as the drafts the policy makes) (default: %(default)s)",
     )
     p.add_argument(
+        "--align-top",
+        type=int,
+        metavar="K",
+        default=0,
+        help="GRIFFIN's loss mask (arXiv 2502.11018): an unrolled pass trains only where every earlier pass held "
+        "the token it hands on among its K likeliest; 0 trains every pass everywhere (default: %(default)s)",
+    )
+    p.add_argument(
         "--feature-layers",
         default="none",
         help="decoder layers whose outputs the head reads beside the final norm's (EAGLE-3's fused features): "
@@ -246,6 +254,7 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
         max_length=max(TrainConfig.max_length, args.max_text_tokens) if args.stream else TrainConfig.max_length,
         draft_vocab=args.draft_vocab,
         unroll=args.unroll,
+        align_top=args.align_top,
         feature_layers=layers,
         autocast=args.autocast,
     )

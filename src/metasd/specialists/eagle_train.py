@@ -38,8 +38,8 @@ _LEARNING_KEYS = ("step", "tokens_seen", "train_seconds", "final", "held_out")
 @dataclass(frozen=True)
 class TrainConfig:
     """How a head trains: epochs, peak learning rate, batch size in tokens, sequence length, draft vocabulary,
-    input noise, the loss weights, the training-time test's depth (`unroll`), fused layers, seed, bfloat16
-    autocast."""
+    input noise, the loss weights, the training-time test's depth (`unroll`), fused layers, the alignment mask
+    (`align_top`, 0 = off), seed, bfloat16 autocast."""
 
     epochs: float = 2.0
     lr: float = 1e-3
@@ -51,6 +51,7 @@ class TrainConfig:
     token_weight: float = 1.0
     unroll: int = 1  # passes: from 2 on, also train on the head's own predicted features (training-time test)
     feature_layers: tuple[int, ...] = ()  # decoder layers fused with the final norm's output (EAGLE-3)
+    align_top: int = 0  # GRIFFIN's loss mask: pass s trains only where passes 1 .. s-1 held their token in top-k
     seed: int = 0
     autocast: bool = False  # the head's matmuls in bfloat16 (weights and optimiser stay float32)
 
@@ -146,27 +147,23 @@ def _batches(seqs: TrainingSequences, cfg: TrainConfig, rng: random.Random) -> l
     return batches
 
 
-def _pass_loss(
-    pred: torch.Tensor,
-    want: torch.Tensor,
-    target_p: torch.Tensor,
-    target_top: torch.Tensor,
-    readout: torch.Tensor,
-    counted: torch.Tensor | None,
-    cfg: TrainConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, feature loss, token loss, per-row agreement of the argmax with the target's) for predicted features
-    [N, d] against true ones [N, d] and the target's distributions over the draft vocabulary [N, Vd] (argmax
-    `target_top` [N]), averaged over the rows `counted` (all when None): every pass reads the same target rows,
-    so none is copied out per pass."""
+def _pass_rows(
+    pred: torch.Tensor, want: torch.Tensor, target_p: torch.Tensor, readout: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: feature loss, token loss (cross-entropy against the target's distribution over the draft
+    vocabulary [N, Vd]) and the log-probabilities [N, Vd] of predicted features [N, d] against true ones [N, d].
+    Every pass reads the same target rows, so none is copied out per pass."""
     feature = torch.nn.functional.smooth_l1_loss(pred, want, reduction="none").mean(-1)
     logq = torch.log_softmax(pred @ readout.T, dim=-1)
-    token = -(target_p * logq).sum(-1)
-    agree = logq.argmax(-1) == target_top
-    if counted is not None:
-        feature, token, agree = feature[counted], token[counted], agree[counted]
+    return feature, -(target_p * logq).sum(-1), logq
+
+
+def _weighted(feature: torch.Tensor, token: torch.Tensor, rows: torch.Tensor | None, cfg: TrainConfig):
+    """(loss, feature loss, token loss) averaged over `rows` (all when None)."""
+    if rows is not None:
+        feature, token = feature[rows], token[rows]
     feature_loss, token_loss = feature.mean(), token.mean()
-    return cfg.feature_weight * feature_loss + cfg.token_weight * token_loss, feature_loss, token_loss, agree
+    return cfg.feature_weight * feature_loss + cfg.token_weight * token_loss, feature_loss, token_loss
 
 
 def _step_mask(n: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -235,22 +232,50 @@ def head_loss(
     want = feats[:, 1:, -head.config.hidden_size :][mask]  # the final norm's output: what the readout reads
     target_p = torch.softmax(want @ readout.T, dim=-1)
     target_top = target_p.argmax(-1) if whole is None else _draft_index(head.draft_vocab, _argmax(want, whole))
-    loss, feature_loss, token_loss, agree = _pass_loss(preds[0][mask], want, target_p, target_top, readout, None, cfg)
+    # the token the next pass reads at each entry (entry i's prediction drafts token i + 2): for the alignment mask
+    read_next = _draft_index(head.draft_vocab, _padded_to(tokens[:, 2:], tokens.shape[1] - 1))[mask]
+    feature, token, logq = _pass_rows(preds[0][mask], want, target_p, readout)
+    loss, feature_loss, token_loss = _weighted(feature, token, None, cfg)
+    agree = logq.argmax(-1) == target_top
     metrics = {"feature": feature_loss.item(), "token": token_loss.item(), "top1": agree.float().mean().item()}
     chain = torch.zeros_like(mask)
     chain[mask] = agree
+    aligned = _aligned(mask, logq, read_next, cfg.align_top)
     for step, (pred, counted) in enumerate(zip(preds[1:], masks[1:], strict=True), start=2):
         if not counted.any():  # sequences too short for this many steps
             break
         rows = counted[mask]  # this pass's rows among the first's: the same targets, computed once
-        loss_s, _, _, agree_s = _pass_loss(pred[mask], want, target_p, target_top, readout, rows, cfg)
-        loss = loss + loss_s
+        feature, token, logq = _pass_rows(pred[mask], want, target_p, readout)
+        trained = rows if aligned is None else rows & _shifted(aligned)[mask]
+        if trained.any():
+            loss = loss + _weighted(feature, token, trained, cfg)[0]
+        agree_s = (logq.argmax(-1) == target_top)[rows]
         right = torch.zeros_like(mask)
         right[counted] = agree_s
         chain = _shifted(chain) & right  # entry i: the draft after entry i - step + 1 right up to its token `step`
         metrics[f"top1_{step}"] = agree_s.float().mean().item()
         metrics["both" if step == 2 else f"chain_{step}"] = chain.sum().item() / int(counted.sum())
+        if aligned is not None:
+            aligned = _shifted(aligned) & _aligned(mask, logq, read_next, cfg.align_top)
     return loss, metrics
+
+
+def _padded_to(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, m] right-padded with zeros to n entries (m <= n)."""
+    return torch.cat([x, torch.zeros_like(x[:, :1]).expand(-1, n - x.shape[1])], dim=1)
+
+
+def _aligned(mask: torch.Tensor, logq: torch.Tensor, read_next: torch.Tensor, top: int) -> torch.Tensor | None:
+    """GRIFFIN's token alignment (Hu et al., arXiv 2502.11018): the entries [B, n] whose prediction holds, among
+    its `top` likeliest draft tokens, the token the next pass reads as its input. A later pass only trains where
+    every earlier one was aligned so: elsewhere drafting never reaches that step with the input the training text
+    gives it, and fitting it there pulls the head towards contexts it will not see. None when `top` is 0 (off)."""
+    if top <= 0:
+        return None
+    held = (logq.topk(min(top, logq.shape[-1]), dim=-1).indices == read_next[:, None]).any(-1)
+    out = torch.zeros_like(mask)
+    out[mask] = held & (read_next >= 0)
+    return out
 
 
 def _argmax(features: torch.Tensor, readout: torch.Tensor) -> torch.Tensor:
@@ -295,7 +320,7 @@ def held_out_metrics(
 
 def _check_config(cfg: TrainConfig, hidden_size: int, *corpora: TrainingSequences | None) -> None:
     """Refuse fused features without the training-time test or with their layers unsorted, an unroll out of range,
-    and a corpus whose features are not those `cfg` reads."""
+    an alignment mask with nothing to mask, and a corpus whose features are not those `cfg` reads."""
     if cfg.feature_layers and (cfg.unroll < 2 or list(cfg.feature_layers) != sorted(set(cfg.feature_layers))):
         raise ValueError(
             "fused features need the training-time test (unroll >= 2: from its second draft token on, the head "
@@ -303,6 +328,8 @@ def _check_config(cfg: TrainConfig, hidden_size: int, *corpora: TrainingSequence
         )
     if not 1 <= cfg.unroll <= MAX_UNROLL:
         raise ValueError(f"unroll must be 1 .. {MAX_UNROLL}, got {cfg.unroll}")
+    if cfg.align_top < 0 or (cfg.align_top and cfg.unroll < 2):
+        raise ValueError(f"align_top masks unrolled passes: 0 (off) or >= 1 with unroll >= 2, got {cfg.align_top}")
     width = (len(cfg.feature_layers) + 1) * hidden_size
     if any(s.feature_width() != width for s in corpora if s is not None and len(s)):
         raise ValueError(
