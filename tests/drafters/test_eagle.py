@@ -120,13 +120,23 @@ def test_forks_drafting_together_draft_what_each_drafts_alone(tmp_path, params):
         torch.testing.assert_close(many.q, one.q, atol=1e-5, rtol=1e-4)
         assert [t for t, _ in many.runners_up] == [t for t, _ in one.runners_up]
         assert many.confidence == pytest.approx(one.confidence, abs=1e-5)
-    for fork, context, one in zip(together, contexts, alone, strict=True):  # the next round, alone: as if never batched
-        after = context + one.tokens[:1] + [1]
-        fork.target_lm.logits_for(after)
-        again = fork.propose(after, 2, GREEDY, None)
+
+    def as_fresh(fork, context, draft):  # what a head that never drafted before drafts from the same target cache
         fresh = EagleDrafter(head, model, "eagle", 64, weights="unquantized")
         fresh.read_features_from(fork.target_lm)
-        torch.testing.assert_close(again.q, fresh.propose(after, 2, GREEDY, None).q, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(draft.q, fresh.propose(context, 2, GREEDY, None).q, atol=1e-5, rtol=1e-4)
+
+    # the next round together: each cache cut back to what its target kept (one draft token, then another token)
+    # and caught up in one forward beside the others; then a round alone: the caches are as if never batched
+    afters = [context + one.tokens[:1] + [1] for context, one in zip(contexts, alone, strict=True)]
+    for fork, after in zip(together, afters, strict=True):
+        fork.target_lm.logits_for(after)
+    again = EagleDrafter.draft_batch([DraftJob(f, a, 2, GREEDY, None) for f, a in zip(together, afters, strict=True)])
+    for fork, after, (draft, _) in zip(together, afters, again, strict=True):
+        as_fresh(fork, after, draft)
+        later = after + draft.tokens[:1] + [2]
+        fork.target_lm.logits_for(later)
+        as_fresh(fork, later, fork.propose(later, 2, GREEDY, None))
 
 
 def test_an_untrained_fusion_reads_the_final_norms_output_alone(tmp_path):
