@@ -86,8 +86,8 @@ class EagleDrafter(AutoregressiveDrafter):
         self.target_lm: CachedModel | None = None
         self._columns: torch.Tensor | None = None  # the target cache's feature columns this head reads
         # the catch-up (entries from the target's true features, kept across rounds) always runs on the float
-        # weights, so what the cache holds never depends on how many rows a call had; draft steps (entries dropped
-        # before the next draft) and the readout run on what `_route` chose
+        # weights, so what the cache holds never depends on which weights a call's row count picked; draft steps
+        # (entries dropped before the next draft) and the readout run on what `_route` chose
         self.exact_head = self.head
         self.float_readout = self.readout
         self.weights = self._route(weights)  # what a draft step runs on, as the bench reports for `lm:` drafters
