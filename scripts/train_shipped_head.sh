@@ -6,7 +6,10 @@
 #    training-time test over 3 draft tokens, in three phases; held-out metrics on the target's answers to everyday
 #    requests of the project's own writing (experiments/data/everyday_requests.jsonl) every 50 steps; resumable
 #    (checkpoint.pt);
-# 3. the head written into the package (checkpoint and learning curve stay out of it).
+# 3. then the target's own answers: it answers ShareGPT first turns (specialists/prompts/chat.jsonl, held apart from
+#    the conversations) greedily in bfloat16, its features captured as it writes (eagle-data/chat-answers), and the
+#    head learns them at a lower peak rate in two phases, the second on a corpus grown past the first's;
+# 4. the head written into the package (checkpoint and learning curve stay out of it).
 # Usage: bash scripts/train_shipped_head.sh   (from the repository root, in the project's venv)
 set -euo pipefail
 python scripts/build_specialists.py --out specialists --domains chat,code --prompts 2500 --prompts-only
@@ -29,4 +32,11 @@ metasd train-eagle "${common[@]}" --texts-tokens 2800000 --init eagle-data/head-
     --texts-skip-tokens 2800000 --out eagle-data/head-stream-amx-2
 metasd train-eagle "${common[@]}" --texts-tokens 4400000 --init eagle-data/head-stream-amx-2 \
     --texts-skip-tokens 5600000 --out eagle-data/head-stream-amx-3
-mkdir -p "$out" && cp eagle-data/head-stream-amx-3/config.json eagle-data/head-stream-amx-3/head.safetensors "$out/"
+answers=(--prompts specialists/prompts/chat.jsonl --corpus eagle-data/chat-answers --max-new-tokens 256 --gen-batch 48
+    --dtype bfloat16 --feature-layers auto --unroll 3 --held-out eagle-data/everyday --lr 3e-4 --autocast
+    --evaluate-every 10 --threads 2)
+metasd train-eagle "${answers[@]}" --corpus-tokens 250000 --epochs 3 --init eagle-data/head-stream-amx-3 \
+    --out eagle-data/head-answers
+metasd train-eagle "${answers[@]}" --corpus-tokens 650000 --epochs 2 --init eagle-data/head-answers \
+    --out eagle-data/head-answers-2
+mkdir -p "$out" && cp eagle-data/head-answers-2/config.json eagle-data/head-answers-2/head.safetensors "$out/"

@@ -339,8 +339,8 @@ class EagleDrafter(AutoregressiveDrafter):
         entries = [len(ids) for ids, _ in pending]
         lead = forks[0]
         if len(forks) == 1:
-            (ids, true), cache = pending[0], lead.cache
-            return lead.exact_head(lead.exact_head.fuse(true[None]), lead.embed(ids[None]), cache=cache)[:, -1], entries
+            ids, true = pending[0]
+            return lead._entries(ids[None], true[None], lead.cache)[:, -1], entries
         lengths = [fork.cache.get_seq_length() for fork in forks]
         longest, most = max(lengths), max(entries)
         ids = torch.stack([torch.nn.functional.pad(ids, (0, most - len(ids))) for ids, _ in pending])
@@ -349,8 +349,7 @@ class EagleDrafter(AutoregressiveDrafter):
         causal = past.new_full((most, most), float("-inf")).triu(1).expand(len(forks), 1, most, most)
         mask = torch.cat([past.expand(-1, -1, most, -1), causal], dim=-1)
         positions = torch.tensor(lengths, device=ids.device)[:, None] + torch.arange(most, device=ids.device)
-        head = lead.exact_head
-        hidden = head(head.fuse(true), lead.embed(ids), cache=cache, position_ids=positions, attention_mask=mask)
+        hidden = lead._entries(ids, true, cache, position_ids=positions, attention_mask=mask)
         keys, values = cache.layers[0].keys, cache.layers[0].values
         for row, (fork, n) in enumerate(zip(forks, entries, strict=True)):
             fork.cache.update(
@@ -381,7 +380,12 @@ class EagleDrafter(AutoregressiveDrafter):
     def _catch_up(self, context: list[int], features: torch.Tensor) -> torch.Tensor:
         """Entries for pairs (f_i, context[i + 1]) up to the last one; returns the head's output there [1, d]."""
         ids, true = self._pending(context, features)
-        return self.exact_head(self.exact_head.fuse(true[None]), self.embed(ids[None]), cache=self.cache)[:, -1]
+        return self._entries(ids[None], true[None], self.cache)[:, -1]
+
+    def _entries(self, ids: torch.Tensor, true: torch.Tensor, cache: DynamicCache, **rows) -> torch.Tensor:
+        """The head's outputs [B, m, d] for entries (true features [B, m, D], fused; tokens [B, m]) after `cache`,
+        on the float weights (`rows`: several rows' positions and mask)."""
+        return self.exact_head(self.exact_head.fuse(true), self.embed(ids), cache=cache, **rows)
 
     def _pending(self, context: list[int], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache cut back to the entries still right for `context`, and the tokens [m] and true features [m, D]
