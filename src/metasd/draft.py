@@ -32,6 +32,10 @@ class Draft:
     # its probability). A draft tree can verify it as a sibling (EAGLE-2's top-k expansion at one more token),
     # tried after the drawn token is rejected, so sampling stays exact (`metasd.verify`).
     runners_up: list[tuple[int, float]] | None = None
+    # Tokens a model drafter took in before drafting, where it knows them better than the engine's count of what
+    # it missed (a fork that moves to a row of its own in a batch takes in its whole context there); None: the
+    # engine's count. The drafter's costs learn from it.
+    taken_in: int | None = None
 
     def truncated(self, k: int) -> Draft:
         """The first k tokens. Lossless for one-hot drafts (q None): their tokens are deterministic, so cutting
@@ -44,6 +48,7 @@ class Draft:
             None if self.confidence is None else self.confidence[:k],
             self.forwards,
             None if self.runners_up is None else self.runners_up[:k],
+            self.taken_in,
         )
 
     def followed_by(self, tail: Draft) -> Draft:
@@ -65,7 +70,7 @@ class Draft:
                 *(self.confidence or [math.nan] * len(self.tokens)),
                 *(tail.confidence or [math.nan] * len(tail.tokens)),
             ]
-        return Draft(self.tokens + tail.tokens, q, confidence, self.forwards, self.runners_up)
+        return Draft(self.tokens + tail.tokens, q, confidence, self.forwards, self.runners_up, self.taken_in)
 
 
 @dataclass(frozen=True)

@@ -448,7 +448,7 @@ class Generation:
             self._synced[drafter.name] = start + kept
             self._drafted.add(drafter.name)
         clock.finished = time.perf_counter()
-        taken_in = state.lags[arm] if arm is not None else 0
+        taken_in = draft.taken_in if draft.taken_in is not None else state.lags[arm] if arm is not None else 0
         observe_round(
             self.decoder.costs,
             clock,

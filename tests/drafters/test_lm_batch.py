@@ -2,11 +2,14 @@
 proposing what each fork proposes alone, with rows kept across rounds, made anew when more forks draft together
 than there are rows, and given back when a request ends."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import decode_in_batch, greedy_reference, tiny_llama
 
 from metasd import Decoder
+from metasd.costs import DrafterCost
 from metasd.draft import DraftJob
 from metasd.drafters.lm import ModelDrafter, SharedRows
 from metasd.sampling import SamplingParams
@@ -33,6 +36,7 @@ def test_forks_drafting_together_draft_what_each_drafts_alone(params):
     drafter = ModelDrafter(model, "lm:tiny", 64)
     contexts, ks = [[5, 6, 7, 8], [9, 3, 4, 1, 2, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32]], [3, 4, 2, 1]
     together = [drafter.fork() for _ in contexts]
+    unseen = [0] * len(contexts)
     for rounds in range(3):  # the same forks, round after round: each row takes in only what it has not seen
         alone = [
             drafter.fork().propose(c, k, params, torch.Generator().manual_seed(len(c)))
@@ -45,13 +49,16 @@ def test_forks_drafting_together_draft_what_each_drafts_alone(params):
         assert len({fork.batch_key() for fork in together}) == 1
         results = ModelDrafter.draft_batch(jobs)
         assert all(seconds > 0 for _, seconds in results)
-        for one, (many, _), k in zip(alone, results, ks, strict=True):
+        for one, (many, _), k, c, n in zip(alone, results, ks, contexts, unseen, strict=True):
             assert many.tokens == one.tokens and len(many.tokens) == k and many.forwards == one.forwards == k
             torch.testing.assert_close(many.q, one.q, atol=1e-5, rtol=1e-4)
             assert [t for t, _ in many.runners_up] == [t for t, _ in one.runners_up]
-        # the next round: each context grew by a verified prefix of its draft and the target's token
-        drafted = zip(contexts, alone, ks, strict=True)
-        contexts = [c + d.tokens[: rounds % 2 + 1][:k] + [40 + i] for i, (c, d, k) in enumerate(drafted)]
+            assert many.taken_in == (len(c) if rounds == 0 else n)  # a new row takes in the whole context
+        # the next round: each context grew by a verified prefix of its draft and the target's token; its row holds
+        # the context and the first k - 1 draft tokens, so it takes in the rest of the prefix and the target's token
+        kept = [min(rounds % 2 + 1, k) for k in ks]
+        contexts = [c + d.tokens[:n] + [40 + i] for i, (c, d, n) in enumerate(zip(contexts, alone, kept, strict=True))]
+        unseen = [n + 1 - min(n, k - 1) for n, k in zip(kept, ks, strict=True)]
     assert drafter.slots.target.active == len(together) and drafter.slots.generation == 1  # rows kept, not remade
     for fork, context in zip(together, contexts, strict=True):  # a round of its own: from its row, as a fresh fork
         mine = fork.propose(context, 3, GREEDY, None)
@@ -106,3 +113,17 @@ def test_a_batch_of_requests_with_an_lm_drafter_decodes_each_as_alone(embedded):
     slots = decoder.drafters["early-exit:8"].slots
     assert slots.usable() and slots.generation == 1  # a truncated model's forks drafted together in rows
     assert slots.target.active == 0  # every request gave its row back
+
+
+def test_the_drafters_own_count_of_what_it_took_in_is_what_its_costs_learn_from(embedded, monkeypatch):
+    """A model drafter that says what it took in (a fork moving to a row of its own takes in its whole context,
+    more than the engine counts) is believed: its cost observations read its count, not the engine's."""
+    decoder = Decoder(drafters=["early-exit:8"], policy="fixed:early-exit:8", draft_len=3)
+    propose, observe = ModelDrafter.propose, DrafterCost.observe
+    seen = []
+    monkeypatch.setattr(ModelDrafter, "propose", lambda *a: dataclasses.replace(propose(*a), taken_in=99))
+    monkeypatch.setattr(
+        DrafterCost, "observe", lambda self, f, missed, s: seen.append(missed) or observe(self, f, missed, s)
+    )
+    decoder.generate("Name three colours.", max_new_tokens=8)
+    assert seen and set(seen) == {99}

@@ -10,6 +10,7 @@ which takes in what it has not seen.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 import weakref
@@ -91,8 +92,9 @@ class ModelDrafter(AutoregressiveDrafter):
         seqs = {i: list(jobs[i].context) for i in fits}
         built = {i: DraftBuilder() for i in fits}
         seconds = dict.fromkeys(fits, 0.0)
+        unseen = {i: len(seqs[i]) - common_prefix(row.tokens, seqs[i]) for i, row in row_of.items()}
         for i, row in row_of.items():
-            if len(seqs[i]) - 1 - common_prefix(row.tokens, seqs[i]) > slots.CATCH_UP_IN_STEP:
+            if unseen[i] - 1 > slots.CATCH_UP_IN_STEP:
                 started = time.perf_counter()
                 slots.target.prefill(row, seqs[i])
                 seconds[i] += time.perf_counter() - started
@@ -108,8 +110,8 @@ class ModelDrafter(AutoregressiveDrafter):
                 seqs[i].append(built[i].tokens[-1])
             for i in drafting:
                 seconds[i] += (time.perf_counter() - started) / len(drafting)
-        for i in fits:
-            out[i] = (built[i].draft(), seconds[i])
+        for i in fits:  # what its row took in: all of its context where the row is new (the engine counts less)
+            out[i] = (dataclasses.replace(built[i].draft(), taken_in=unseen[i]), seconds[i])
         return out
 
 
