@@ -37,6 +37,6 @@ answers=(--prompts specialists/prompts/chat.jsonl --corpus eagle-data/chat-answe
     --evaluate-every 10 --threads 2)
 metasd train-eagle "${answers[@]}" --corpus-tokens 250000 --epochs 3 --init eagle-data/head-stream-amx-3 \
     --out eagle-data/head-answers
-metasd train-eagle "${answers[@]}" --corpus-tokens 650000 --epochs 2 --init eagle-data/head-answers \
+metasd train-eagle "${answers[@]}" --corpus-tokens 500000 --epochs 2 --init eagle-data/head-answers \
     --out eagle-data/head-answers-2
 mkdir -p "$out" && cp eagle-data/head-answers-2/config.json eagle-data/head-answers-2/head.safetensors "$out/"
