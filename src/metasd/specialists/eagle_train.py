@@ -232,8 +232,10 @@ def head_loss(
     want = feats[:, 1:, -head.config.hidden_size :][mask]  # the final norm's output: what the readout reads
     target_p = torch.softmax(want @ readout.T, dim=-1)
     target_top = target_p.argmax(-1) if whole is None else _draft_index(head.draft_vocab, _argmax(want, whole))
-    # the token the next pass reads at each entry (entry i's prediction drafts token i + 2): for the alignment mask
-    read_next = _draft_index(head.draft_vocab, _padded_to(tokens[:, 2:], tokens.shape[1] - 1))[mask]
+    # the alignment mask's input: the token the next pass reads at each entry (entry i's prediction drafts i + 2)
+    read_next = (
+        _draft_index(head.draft_vocab, _padded_to(tokens[:, 2:], tokens.shape[1] - 1))[mask] if cfg.align_top else None
+    )
     feature, token, logq = _pass_rows(preds[0][mask], want, target_p, readout)
     loss, feature_loss, token_loss = _weighted(feature, token, None, cfg)
     agree = logq.argmax(-1) == target_top
@@ -265,7 +267,7 @@ def _padded_to(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x, torch.zeros_like(x[:, :1]).expand(-1, n - x.shape[1])], dim=1)
 
 
-def _aligned(mask: torch.Tensor, logq: torch.Tensor, read_next: torch.Tensor, top: int) -> torch.Tensor | None:
+def _aligned(mask: torch.Tensor, logq: torch.Tensor, read_next: torch.Tensor | None, top: int) -> torch.Tensor | None:
     """GRIFFIN's token alignment (Hu et al., arXiv 2502.11018): the entries [B, n] whose prediction holds, among
     its `top` likeliest draft tokens, the token the next pass reads as its input. A later pass only trains where
     every earlier one was aligned so: elsewhere drafting never reaches that step with the input the training text
