@@ -86,8 +86,8 @@ class EagleDrafter(AutoregressiveDrafter):
         self.target_lm: CachedModel | None = None
         self._columns: torch.Tensor | None = None  # the target cache's feature columns this head reads
         # the catch-up (entries from the target's true features, kept across rounds) always runs on the float
-        # weights, so what the cache holds never depends on which weights a call's row count picked; draft steps
-        # (entries dropped before the next draft) and the readout run on what `_route` chose
+        # weights, so what the cache holds never depends on how many rows a call had; draft steps (entries dropped
+        # before the next draft) and the readout run on what `_route` chose
         self.exact_head = self.head
         self.float_readout = self.readout
         self.weights = self._route(weights)  # what a draft step runs on, as the bench reports for `lm:` drafters
@@ -281,19 +281,22 @@ class EagleDrafter(AutoregressiveDrafter):
     @staticmethod
     @torch.inference_mode()
     def _draft_rows(jobs: Sequence[DraftJob], features: Sequence[torch.Tensor]) -> list[tuple[Draft, float]]:
-        """Forks of one head drafting for several requests: one forward catches every fork up on its own context
-        (`_catch_up_rows`, charged by the entries each takes in), then every draft step runs once for the rows
-        still drafting (charged to them; a row whose draft is done leaves the steps). In both, the rows' head
-        caches are laid side by side, each padded to the longest and the padding masked, and every row sits at its
-        own positions, so a row computes what it computes alone; the steps' entries are not kept (the next catch-up
-        drops them as it does alone). A head on int8 weights routed for one-row steps (`_route`) runs steps of
-        several rows on its float weights."""
+        """Forks of one head drafting for several requests: each catches up on its own context (its own cache and
+        length, charged to it), then every draft step runs once for the rows still drafting (charged to them; a row
+        whose draft is done leaves the steps). The rows' head caches are laid side by side, each padded to the
+        longest and the padding masked, and every row sits at its own positions, so a row computes what it computes
+        alone; the steps' entries are not kept (the next catch-up drops them as it does alone). A head on int8
+        weights routed for one-row steps (`_route`) runs steps of several rows on its float weights."""
         forks = [job.drafter for job in jobs]
         built = [DraftBuilder() for _ in jobs]
-        started = time.perf_counter()
-        state, entries = EagleDrafter._catch_up_rows(forks, [job.context for job in jobs], features)
-        seconds = [(time.perf_counter() - started) * n / sum(entries) for n in entries]  # by entries caught up
+        seconds = [0.0] * len(jobs)
+        hidden = []
+        for i, (fork, job) in enumerate(zip(forks, jobs, strict=True)):
+            started = time.perf_counter()
+            hidden.append(fork._catch_up(job.context, features[i]))
+            seconds[i] += time.perf_counter() - started
         lead, steps = forks[0], max(job.k for job in jobs)
+        state = torch.cat(hidden)  # [B, d]: each row's output at its last entry
         lengths = [fork.cache.get_seq_length() for fork in forks]
         if steps > 1:
             cache, mask = lead._side_by_side([fork.cache for fork in forks], lengths)
@@ -326,46 +329,11 @@ class EagleDrafter(AutoregressiveDrafter):
                 seconds[i] += (time.perf_counter() - started) / len(rows)
         return [(b.draft(), t) for b, t in zip(built, seconds, strict=True)]
 
-    @staticmethod
-    @torch.inference_mode()
-    def _catch_up_rows(
-        forks: Sequence[EagleDrafter], contexts: Sequence[list[int]], features: Sequence[torch.Tensor]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Every fork's catch-up (`_catch_up`) in one forward of the head: each row's new entries, right-padded to
-        the most any row takes in, after its own cache (laid side by side, padded and masked), at its own
-        positions; each fork's cache then gets its new entries, as catching up alone leaves it. Returns each row's
-        output at its last entry [B, d] and the entries each took in. One fork catches up alone."""
-        pending = [fork._pending(context, f) for fork, context, f in zip(forks, contexts, features, strict=True)]
-        entries = [len(ids) for ids, _ in pending]
-        lead = forks[0]
-        if len(forks) == 1:
-            ids, true = pending[0]
-            return lead._entries(ids[None], true[None], lead.cache)[:, -1], entries
-        lengths = [fork.cache.get_seq_length() for fork in forks]
-        longest, most = max(lengths), max(entries)
-        ids = torch.stack([torch.nn.functional.pad(ids, (0, most - len(ids))) for ids, _ in pending])
-        true = torch.stack([torch.nn.functional.pad(t, (0, 0, 0, most - len(t))) for _, t in pending])
-        cache, past = lead._side_by_side([fork.cache for fork in forks], lengths)
-        causal = past.new_full((most, most), float("-inf")).triu(1).expand(len(forks), 1, most, most)
-        mask = torch.cat([past.expand(-1, -1, most, -1), causal], dim=-1)
-        positions = torch.tensor(lengths, device=ids.device)[:, None] + torch.arange(most, device=ids.device)
-        hidden = lead._entries(ids, true, cache, position_ids=positions, attention_mask=mask)
-        keys, values = cache.layers[0].keys, cache.layers[0].values
-        for row, (fork, n) in enumerate(zip(forks, entries, strict=True)):
-            fork.cache.update(
-                keys[row : row + 1, :, longest : longest + n], values[row : row + 1, :, longest : longest + n], 0
-            )
-        return hidden[torch.arange(len(forks)), torch.tensor(entries) - 1], entries
-
     def _side_by_side(self, caches: list[DynamicCache], lengths: list[int]) -> tuple[DynamicCache, torch.Tensor]:
         """One cache holding each row's entries at [0, length), zeros after up to the longest, and the additive
-        mask [B, 1, 1, longest] that hides those zeros (an empty cache and mask where every row is empty)."""
+        mask [B, 1, 1, longest] that hides those zeros."""
         longest = max(lengths)
-        side = DynamicCache(config=self.head.body.config)
-        if longest == 0:
-            param = self.float_readout.weight
-            return side, torch.zeros(len(caches), 1, 1, 0, dtype=param.dtype, device=param.device)
-        layer = caches[lengths.index(longest)].layers[0]
+        layer = caches[0].layers[0]
         keys = layer.keys.new_zeros(len(caches), *layer.keys.shape[1:2], longest, layer.keys.shape[-1])
         values = torch.zeros_like(keys)
         mask = keys.new_full((len(caches), 1, 1, longest), float("-inf"))
@@ -373,24 +341,13 @@ class EagleDrafter(AutoregressiveDrafter):
             keys[row, :, :length] = cache.layers[0].keys[0, :, :length]
             values[row, :, :length] = cache.layers[0].values[0, :, :length]
             mask[row, ..., :length] = 0.0
+        side = DynamicCache(config=self.head.body.config)
         side.update(keys, values, 0)
         return side, mask
 
     @torch.inference_mode()
     def _catch_up(self, context: list[int], features: torch.Tensor) -> torch.Tensor:
         """Entries for pairs (f_i, context[i + 1]) up to the last one; returns the head's output there [1, d]."""
-        ids, true = self._pending(context, features)
-        return self._entries(ids[None], true[None], self.cache)[:, -1]
-
-    def _entries(self, ids: torch.Tensor, true: torch.Tensor, cache: DynamicCache, **rows) -> torch.Tensor:
-        """The head's outputs [B, m, d] for entries (true features [B, m, D], fused; tokens [B, m]) after `cache`,
-        on the float weights (`rows`: several rows' positions and mask)."""
-        return self.exact_head(self.exact_head.fuse(true), self.embed(ids), cache=cache, **rows)
-
-    def _pending(self, context: list[int], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache cut back to the entries still right for `context`, and the tokens [m] and true features [m, D]
-        of the entries to run after them (the last one always: its output predicts the first draft token); the
-        bookkeeping is left as after they ran."""
         valid = min(self.exact, common_prefix(self.pairs, context[1:]))
         end = len(context) - 1
         valid = min(valid, end - 1)  # the last entry is always run: its output predicts the first draft token
@@ -399,11 +356,12 @@ class EagleDrafter(AutoregressiveDrafter):
             valid = 0
         elif valid < self.cache.get_seq_length():
             self.cache.crop(valid - self.cache.get_seq_length())
-        ids = torch.tensor(context[valid + 1 : end + 1], device=features.device)
+        ids = torch.tensor([context[valid + 1 : end + 1]], device=features.device)
         true = features[valid:end] if self._columns is None else features[valid:end, self._columns]
+        hidden = self.exact_head(self.exact_head.fuse(true.unsqueeze(0)), self.embed(ids), cache=self.cache)
         self.pairs = list(context[1 : end + 1])
         self.exact = end
-        return ids, true
+        return hidden[:, -1]
 
     @torch.inference_mode()
     def _step(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
