@@ -20,11 +20,10 @@ from metasd.specialists.eagle_corpus import (
     refeature_corpus,
     write_corpus,
 )
+from metasd.specialists.eagle_loss import head_loss, head_passes
 from metasd.specialists.eagle_train import (
     StoredSequences,
     TrainConfig,
-    head_loss,
-    head_passes,
     held_out_metrics,
     train_head,
 )

@@ -4,7 +4,7 @@ measures better.
 Online speculative decoding (Liu et al., arXiv 2310.07177) distils the drafter on the queries it serves. Here the
 data costs nothing: each verified request leaves the target's features at every position in the target's cache,
 and the final norm's feature gives the target's full next-token distribution (over the draft vocabulary) as soft
-labels, so the loss is `train-eagle`'s (`eagle_train.head_loss`: feature regression, cross-entropy against the
+labels, so the loss is `train-eagle`'s (`eagle_loss.head_loss`: feature regression, cross-entropy against the
 target's distribution, the training-time test over `unroll` steps). Per history key, once enough new tokens
 arrived, a copy of the head in service trains on the buffer's older sequences and is judged with the head in
 service on the newest ones (held out): it replaces it only if its expected accepted tokens per draft are higher.
@@ -34,7 +34,8 @@ import torch
 from ..drafters.eagle import SHARED_KEY, EagleDrafter
 from ..models.eagle_head import EagleHead, TargetCheck, head_fingerprint, load_head, save_head
 from ..specialists.distill import length_batches
-from ..specialists.eagle_train import StoredSequences, TrainConfig, head_loss, held_out_metrics
+from ..specialists.eagle_loss import head_loss
+from ..specialists.eagle_train import StoredSequences, TrainConfig, held_out_metrics
 from .buffer import TrafficBuffer
 
 log = logging.getLogger(__name__)
