@@ -9,7 +9,7 @@ position i (from entry i - 1) instead of the true one, attending to the true ent
 chain of predicted entries, as the step drafting token s does, and adds that pass's loss. With `feature_layers` the
 true features the head reads are fused from those decoder layers' outputs and the final norm's (EAGLE-3); the
 feature it predicts, and the distribution it learns, stay the final norm's. Sequences are right-padded into batches
-of similar length; causal attention keeps real positions from ever seeing padding.
+of similar length; causal attention keeps real positions from ever seeing padding. The loss itself: `eagle_loss`.
 """
 
 from __future__ import annotations
