@@ -94,7 +94,7 @@ def head_loss(
     whole: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss over every pair (f_i, token i+1) -> f_(i+1) whose target feature is real, plus each unrolled pass's
-    over the entries `_step_masks` counts; readout [Vd, d]. Metrics: `top1` (a draft's first token), `top1_s` (its
+    over the entries `step_masks` counts; readout [Vd, d]. Metrics: `top1` (a draft's first token), `top1_s` (its
     token s from the head's own entries), `both` / `chain_s` (a greedy draft's first 2 / s tokens all right), against
     the target's argmax over the draft vocabulary, or with `whole` (its readout [V, d]) over every token: a token
     outside the draft vocabulary is a miss, as in decoding."""
@@ -109,7 +109,7 @@ def head_loss(
     target_top = target_p.argmax(-1) if whole is None else _draft_index(head.draft_vocab, _argmax(want, whole))
     # the alignment mask's input: the token the next pass reads at each entry (entry i's prediction drafts i + 2)
     read_next = (
-        _draft_index(head.draft_vocab, _padded_to(tokens[:, 2:], tokens.shape[1] - 1))[mask] if cfg.align_top else None
+        _draft_index(head.draft_vocab, torch.nn.functional.pad(tokens[:, 2:], (0, 1)))[mask] if cfg.align_top else None
     )
     feature, token, logq = _pass_rows(preds[0][mask], want, target_p, readout)
     loss, feature_loss, token_loss = _weighted(feature, token, None, cfg)
@@ -135,11 +135,6 @@ def head_loss(
         if aligned is not None:
             aligned = _shifted(aligned) & _aligned(mask, logq, read_next, cfg.align_top)
     return loss, metrics
-
-
-def _padded_to(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x [B, m] right-padded with zeros to n entries (m <= n)."""
-    return torch.cat([x, torch.zeros_like(x[:, :1]).expand(-1, n - x.shape[1])], dim=1)
 
 
 def _aligned(mask: torch.Tensor, logq: torch.Tensor, read_next: torch.Tensor | None, top: int) -> torch.Tensor | None:
