@@ -3,6 +3,7 @@ cancelled, one is cut by its caller as a stop string would cut it) leave every o
 exactly what it is decoding alone, with drafting forced on for every row and off; sampled output in a batch keeps
 the target's distribution; and the batch decision drafts for everyone on a flat T and stops as T(B, W) grows."""
 
+import copy
 import time
 from collections import Counter
 
@@ -41,14 +42,22 @@ def alone(decoder):
     return {p: decoder.generate(p, max_new_tokens=40).token_ids for p in PROMPTS}
 
 
+def _priced(batch: Batch, widths) -> None:
+    """The batch decides with T(B, W) = widths(B, max W) instead of the measured one (a copy of the decoder's costs,
+    which other tests' batches share)."""
+    costs = copy.copy(batch.costs)
+    costs.forward_widths = widths
+    batch.decision.costs = costs
+
+
 def _flat(batch: Batch) -> None:
     """Every batch shape priced alike: drafting is free, so the decision drafts for every request."""
-    batch.costs.widths = lambda size, max_width: [0.03] * max_width
+    _priced(batch, lambda size, max_width: [0.03] * max_width)
 
 
 def _rising(batch: Batch) -> None:
     """Each token of a batch forward costs a little: wider rows and fuller batches cost more."""
-    batch.costs.widths = lambda size, max_width: [0.03 * (1 + 0.02 * size * w) for w in range(1, max_width + 1)]
+    _priced(batch, lambda size, max_width: [0.03 * (1 + 0.02 * size * w) for w in range(1, max_width + 1)])
 
 
 class _FeatureSpy:
@@ -144,7 +153,7 @@ def test_a_batch_that_cannot_gain_from_drafting_skips_the_proposals(decoder, alo
     """Where even the best acceptance the policies have seen cannot pay for a wider forward, no request's free
     drafters propose and no option is weighed: the batch takes plain steps, outputs unchanged."""
     batch = Batch(decoder, max_batch=2)
-    batch.costs.widths = lambda size, max_width: [0.03 * w * w for w in range(1, max_width + 1)]
+    _priced(batch, lambda size, max_width: [0.03 * w * w for w in range(1, max_width + 1)])
     asked = Counter()
     for name in ("free_proposals", "options"):
         owner = engine if name == "free_proposals" else AdaptivePolicy

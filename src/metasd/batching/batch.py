@@ -23,12 +23,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..cached_model import feature_layers_read_by
+from ..costs import load_or_calibrate_batch
 from ..engine import OWN_CHOICE, Decoder, Generation
 from ..policy import Policy
 from ..round import run_round
 from ..slots import BatchedTarget, check_batched_logits
 from . import DEFAULT_PREFILL_SHARE
-from .costs import BatchCost, load_or_calibrate_batch
 from .decision import BatchDecision
 
 
@@ -69,12 +69,11 @@ class Batch:
             keep_features=bool(readers),
             feature_layers=feature_layers_read_by(readers),
         )
-        costs = decoder.cost_model()
-        tables = {}
+        self.costs = decoder.cost_model()
         if max_batch > 1:
-            widths = costs.target.max_tokens
+            widths = self.costs.target.max_tokens
             tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, widths)
-        self.costs = BatchCost(costs, tables, max_batch)
+            self.costs.measure_batches(tables, max_batch)
         self.decision = BatchDecision(self.costs)
         self.requests: list[Generation] = []
         self.joining: list[Generation] = []  # requests whose prompts are not all in yet, in the order they joined
@@ -181,7 +180,7 @@ class Batch:
         most by half and shrinking at most by half a step (a long chunk overshooting is a long gap for everyone), at
         least `MIN_CHUNK` tokens (every prompt gets in) and at most `PREFILL_CHUNK`."""
         tokens, seconds = self.target.last_forward
-        took = max(seconds - self.costs(1, 1), 0.0) * self._chunk / max(tokens, 1)
+        took = max(seconds - self.costs.forward(1, 1), 0.0) * self._chunk / max(tokens, 1)
         allowed = max(step_seconds - took, 0.0) * self.prefill_share / (1 - self.prefill_share)
         scaled = self._chunk * min(max(allowed / max(took, 1e-6), 0.5), 1.5)
         self._chunk = max(self.MIN_CHUNK, min(int(scaled), self.target.PREFILL_CHUNK))

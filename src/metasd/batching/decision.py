@@ -1,7 +1,7 @@
 """The batch decision: every request's (drafter, k) for one round, chosen to maximise the batch's tokens per second.
 
 A batch round yields sum_i E_i tokens (E_i = 1 + the expected accepted tokens of request i's draft) in T(B, W) +
-sum_i D_i seconds: one target forward over B rows padded to the widest row W = 1 + max_i k_i (`costs.BatchCost`,
+sum_i D_i seconds: one target forward over B rows padded to the widest row W = 1 + max_i k_i (`CostModel.forward`,
 measured), plus every request's drafting (forks of one EAGLE head draft together, each charged its own catch-up and
 its share of the steps: `round.drafts_together`). Each request's policy offers its options
 (`AdaptivePolicy.options`: expected tokens and drafting time per drafter and length); coordinate ascent then gives
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..costs import CostModel
 from ..policy.adaptive import Option
 from ..round import RoundRequest, RoundState
-from .costs import BatchCost
 
 _SWEEPS = 8  # coordinate-ascent passes at most; two or three settle it in practice
 
@@ -97,13 +97,13 @@ class BatchDecision:
     """The `round.RoundDecision` of a batch round: `decide` over every request's plan, priced by the batch's
     measured T(B, W), which every round's forward refines."""
 
-    def __init__(self, costs: BatchCost):
+    def __init__(self, costs: CostModel):
         self.costs = costs
         self._times: list[float] = []  # this round's T(B, w), w = 1 .. the widest row
         self._drafts = False  # whether this round decides at all (`may_draft`), from `start` to `choose`
 
     def start(self, requests: Sequence[RoundRequest]) -> list[RoundState]:
-        self._times = self.costs.widths(len(requests), max(r.room for r in requests) + 1)
+        self._times = self.costs.forward_widths(len(requests), max(r.room for r in requests) + 1)
         self._drafts = self.may_draft(requests, self._times)
         return [request.start_round(propose=self._drafts) for request in requests]
 
@@ -118,7 +118,7 @@ class BatchDecision:
                 request.policy.set_bar(decision.rate)
 
     def observe(self, size: int, width: int, seconds: float) -> None:
-        self.costs.observe(size, width, seconds)
+        self.costs.observe_forward(size, width, seconds)
 
     @staticmethod
     def may_draft(requests: Sequence[RoundRequest], times: Sequence[float]) -> bool:

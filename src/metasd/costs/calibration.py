@@ -1,0 +1,213 @@
+"""Measuring the target's forward on this machine: T(M) for one request (`calibrate`: M = 1 .. max new tokens under
+each linear kernel of `metasd.models.linear_kernels`, the faster kept per M) and T(B, W) for batches of B rows of W
+tokens (`calibrate_batch`, B = 2, 4, ... max batch), both cached on disk per model, dtype, thread count and machine
+(`metasd calibrate` prints T(M)). A forward over B x W tokens costs about what one over B x W tokens of a single
+request costs where the machine is compute bound, and much less than B separate forwards where it is bound by
+reading the weights; which, and where the turn comes, differs by machine and dtype, so it is measured."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from ..draft import Draft
+from ..models.embedded import cache_dir
+from ..models.linear_kernels import KERNELS, install
+from ..slots import BatchedTarget
+from ..tree import DraftTree
+
+CONTEXT = 256  # tokens already in the cache when timing: a typical prompt, so attention is not free
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """T(M) in seconds for M = 1 .. len(table), and the linear kernel (`linear_kernels`) each M was fastest under."""
+
+    table: list[float]
+    kernels: list[str]
+
+
+@torch.inference_mode()
+def calibrate(
+    model: torch.nn.Module, max_tokens: int, context: int = CONTEXT, reps: int = 5, candidates: Sequence[str] = KERNELS
+) -> Calibration:
+    """Median seconds of a cached forward over M new tokens after `context` cached tokens, M = 1 .. max_tokens,
+    under each candidate linear kernel; the faster kernel per M is installed on `model` and its time kept.
+
+    The (M, kernel) pairs are interleaved within each repetition, so a slow spell of the machine hits all alike.
+    """
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (1, context + max_tokens), generator=gen).to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    times = {kernel: [[] for _ in range(max_tokens)] for kernel in candidates}
+    for rep in range(reps + 1):  # the first pass warms up
+        for m in range(1, max_tokens + 1):
+            for kernel in candidates:
+                install(model, [kernel] * max_tokens)
+                start = time.perf_counter()
+                model(input_ids=ids[:, context : context + m], cache=cache, use_cache=True, logits_to_keep=m)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - start
+                cache.crop(-m)
+                if rep:
+                    times[kernel][m - 1].append(elapsed)
+    medians = {kernel: [statistics.median(t) for t in per_m] for kernel, per_m in times.items()}
+    kernels = [min(candidates, key=lambda k, i=i: medians[k][i]) for i in range(max_tokens)]
+    install(model, kernels)
+    return Calibration([medians[k][i] for i, k in enumerate(kernels)], kernels)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibration_key(spec: str, model: torch.nn.Module, max_tokens: int, candidates: Sequence[str] = KERNELS) -> dict:
+    """Everything T(M) depends on: a table measured under another key is foreign."""
+    import transformers
+
+    device = next(model.parameters()).device
+    return {
+        "model": spec,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}:{_cpu_name()}",
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "context": CONTEXT,
+        "max_tokens": max_tokens,
+        "kernels": list(candidates),
+    }
+
+
+def cache_file(key: dict) -> Path:
+    """Where the calibration measured under `key` (`calibration_key`) is cached on disk."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "calibration" / f"{digest}.json"
+
+
+def _read(path: Path, key: dict) -> Calibration | None:
+    """The cached calibration, or None (with a warning when a file is there but unusable: corrupt or foreign)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            raise ValueError("it was measured for another model, dtype or machine")
+        table = [float(t) for t in data["table"]]
+        kernels = [str(k) for k in data["kernels"]]
+        if (
+            len(table) != key["max_tokens"]
+            or any(not t > 0 for t in table)
+            or len(kernels) != len(table)
+            or not set(kernels) <= set(key["kernels"])
+        ):
+            raise ValueError("its table is malformed")
+        return Calibration(table, kernels)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        warnings.warn(f"ignoring the calibration cache {path}: {err}", stacklevel=3)
+        return None
+
+
+def _write(path: Path, data: dict) -> None:
+    """A calibration cached whole or not at all; a read-only home still decodes, it only calibrates again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(data, indent=1))
+        partial.replace(path)
+    except OSError as err:
+        warnings.warn(f"cannot write the calibration cache {path}: {err}", stacklevel=3)
+
+
+def load_or_calibrate(
+    spec: str, model: torch.nn.Module, max_tokens: int, refresh: bool = False, candidates: Sequence[str] = KERNELS
+) -> Calibration:
+    """T(M) for M = 1 .. max_tokens from the disk cache, else measured now (seconds) and cached; either way the
+    model's linear layers are routed to the kernels the calibration chose among `candidates`."""
+    key = calibration_key(spec, model, max_tokens, candidates)
+    path = cache_file(key)
+    found = None if refresh else _read(path, key)
+    if found is not None:
+        install(model, found.kernels)
+        return found
+    found = calibrate(model, max_tokens, candidates=candidates)
+    _write(path, {"key": key, "table": found.table, "kernels": found.kernels})
+    return found
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """The sizes calibration measures: 2, 4, 8 ... and max_batch itself (1 is the single request's T(M))."""
+    sizes, b = [], 2
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch] if max_batch > 1 else []
+
+
+@torch.inference_mode()
+def calibrate_batch(model: torch.nn.Module, sizes: Sequence[int], max_width: int, reps: int = 2) -> dict[int, list]:
+    """Median seconds of a batch forward over B rows of W new tokens after CONTEXT cached tokens per row, for each
+    B in sizes and W = 1 .. max_width (widths interleaved within each repetition, the first pass a warm-up)."""
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for size in sizes:
+        target = BatchedTarget(model, rows=size, capacity=CONTEXT + max_width + 1)
+        cached = max(min(CONTEXT, target.context - max_width - 1), 0)  # a model with a short context: what fits
+        rows = [target.add_row() for _ in range(size)]
+        contexts = [torch.randint(0, vocab, (cached + max_width,), generator=gen).tolist() for _ in rows]
+        for row, context in zip(rows, contexts, strict=True):
+            target.prefill(row, context[: cached + 1])
+        times: list[list[float]] = [[] for _ in range(max_width)]
+        for rep in range(reps + 1):
+            for width in range(1, max_width + 1):
+                items = [
+                    (row, c[: cached + 1], DraftTree.chain(Draft(c[cached + 1 : cached + width])))
+                    for row, c in zip(rows, contexts, strict=True)
+                ]
+                start = time.perf_counter()
+                target.forward(items)
+                elapsed = time.perf_counter() - start
+                for row, c in zip(rows, contexts, strict=True):
+                    target.settle(row, c[: cached + 1])
+                if rep:
+                    times[width - 1].append(elapsed)
+        out[size] = [statistics.median(t) for t in times]
+    return out
+
+
+def load_or_calibrate_batch(spec: str, model: torch.nn.Module, max_batch: int, max_width: int) -> dict[int, list]:
+    """The T(B, W) tables from the disk cache, else measured now and cached (beside the T(M) calibration)."""
+    sizes = batch_sizes(max_batch)
+    key = {**calibration_key(spec, model, max_width), "batch_sizes": sizes}
+    path = cache_file(key).with_name(cache_file(key).stem + "-batch.json")
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else None
+        if data is not None and data["key"] == key and all(len(data["tables"][str(b)]) == max_width for b in sizes):
+            return {b: [float(t) for t in data["tables"][str(b)]] for b in sizes}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        warnings.warn(f"ignoring the batch calibration cache {path}: {err}", stacklevel=2)
+    tables = calibrate_batch(model, sizes, max_width)
+    _write(path, {"key": key, "tables": {str(b): t for b, t in tables.items()}})
+    return tables
