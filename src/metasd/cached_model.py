@@ -165,10 +165,10 @@ class CachedModel:
         return self._logits(out)
 
     def forward(
-        self, items: list[tuple[CachedModel, list[int], DraftTree]], prefill: None = None
+        self, items: list[tuple[CachedModel, list[int], DraftTree]], prefill: Sequence = ()
     ) -> list[torch.Tensor]:
         """A batch of one (`round.Verifier`): the logits of `logits_for_tree` for this model's one request."""
-        if len(items) != 1 or items[0][0] is not self or prefill is not None:
+        if len(items) != 1 or items[0][0] is not self or prefill:
             raise ValueError("a CachedModel verifies its own request alone")
         _, context, tree = items[0]
         return [self.logits_for_tree(context, tree)]

@@ -105,10 +105,10 @@ class Verifier(Protocol):
     tree), row 0 after the context and 1 + i after node i, all in one model call."""
 
     def forward(
-        self, items: list[tuple[Any, list[int], DraftTree]], prefill: tuple[Any, list[int]] | None = None
+        self, items: list[tuple[Any, list[int], DraftTree]], prefill: Sequence[tuple[Any, list[int]]] = ()
     ) -> list[torch.Tensor]:
-        """prefill: a joining request's handle and the prompt tokens it should hold after this forward (a chunk
-        of its prompt sharing the forward; a batch's verifier only)."""
+        """prefill: joining requests' handles and the prompt tokens each should hold after this forward (chunks
+        of their prompts sharing the forward; a batch's verifier only)."""
         ...
 
 
@@ -160,13 +160,13 @@ def run_round(
     requests: Sequence[RoundRequest],
     verifier: Verifier,
     decision: RoundDecision,
-    prefill: tuple[Any, list[int]] | None = None,
+    prefill: Sequence[tuple[Any, list[int]]] = (),
 ) -> list[list[int]]:
     """One speculative round for one request or many, in EAGLE's phases (Li et al., arXiv 2401.15077): start and
     decide, draft, one target forward over every request's context and tree, then each request's acceptance rule,
-    emission and learning. prefill: a chunk of a joining prompt that shares the forward (chunked prefill); the
+    emission and learning. prefill: chunks of joining prompts that share the forward (chunked prefill); the
     forward then measures no cost of its own shape. Returns the tokens each request added."""
-    alone = len(requests) == 1 and prefill is None
+    alone = len(requests) == 1 and not prefill
     states = decision.start(requests)  # 1. lags, room and the free drafters' proposals
     decision.choose(requests, states)  # 2. (drafter, k) per request
     single = len(requests) == 1  # 3. drafts: in a batch, its decision chose k, and forks of one model draft together
@@ -178,12 +178,12 @@ def run_round(
     started = time.perf_counter()
     logits = verifier.forward(items, prefill=prefill)  # 4. one target forward
     ended = time.perf_counter()
-    if prefill is None:
+    if not prefill:
         decision.observe(len(requests), max(state.tree.size for state in states) + 1, ended - started)
     added = []
     for request, state, rows, before in zip(requests, states, logits, fed, strict=True):  # 5. accept, emit, learn
         state.clock.verifying, state.clock.forwarded = started, ended
         # the forward took in a prompt too (its own, or a joiner's chunk): the policy is rewarded as without it
-        prefilled = prefill is not None or request.target.fed_tokens - before > state.tree.size + 1
+        prefilled = bool(prefill) or request.target.fed_tokens - before > state.tree.size + 1
         added.append(request.accept(state, rows, prefilled=prefilled, alone=alone))
     return added

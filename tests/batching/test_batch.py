@@ -233,6 +233,30 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_keep_decoding(decoder, 
         assert request.token_ids == alone[prompt]
 
 
+class _WideChunks(Batch):
+    MIN_CHUNK = 256  # a step's prompt budget holds several short prompts
+
+
+def test_short_prompts_waiting_together_enter_in_one_step(decoder, alone):
+    """The step's prompt budget is filled in the order requests joined: two short prompts joining a decoding
+    request both enter in the next step's forward (not one per step), and every output is what it is alone."""
+    batch = _WideChunks(decoder, max_batch=3, prefill_share=0.5)
+    running = decoder.stream(PROMPTS[0], max_new_tokens=40)
+    batch.join(running)
+    batch.step()
+    joiners = [decoder.stream(p, max_new_tokens=40) for p in PROMPTS[1:3]]
+    for request in joiners:
+        batch.join(request)
+    assert sum(len(r.context) for r in joiners) < _WideChunks.MIN_CHUNK
+    before = len(running.token_ids)
+    batch.step()
+    assert batch.joining == [] and len(running.token_ids) > before  # both in, and the running one decoded
+    while len(batch):
+        batch.step()
+    for request, prompt in zip([running, *joiners], PROMPTS[:3], strict=True):
+        assert request.token_ids == alone[prompt]
+
+
 def test_a_chunk_riding_in_a_round_is_left_out_of_the_decoding_requests_rewards(decoder, monkeypatch):
     """The decoding requests' policies are rewarded for a round as it costs without the joiner's chunk (a chunk
     made 0.3 s slower here), as for a prompt's prefill: a slow joiner must not teach them that rounds are slow."""

@@ -118,7 +118,7 @@ def test_a_prompt_chunk_packed_beside_the_rows_leaves_every_row_as_alone(model, 
     trees = [DraftTree.chain(Draft([5, 9])), _tree()]
     for end in (20, 39):  # two chunks: the second ends the prompt but for its last token
         got = batch.forward(
-            [(rows[2], contexts[2], trees[1]), (rows[0], contexts[0], trees[0])], (rows[1], contexts[1][:end])
+            [(rows[2], contexts[2], trees[1]), (rows[0], contexts[0], trees[0])], [(rows[1], contexts[1][:end])]
         )
         assert len(rows[1].tokens) == end
         for logits, context, tree in zip(got, [contexts[2], contexts[0]], [trees[1], trees[0]], strict=True):

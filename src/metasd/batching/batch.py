@@ -9,10 +9,10 @@ request decoding alone runs) over the requests whose prompts are in, with one de
 makes its own choice, as `Generation.step` does.
 
 A joining request's prompt enters in chunks (chunked prefill, as Sarathi-Serve, Agrawal et al., OSDI 2024, and
-vLLM do): each step's forward carries a chunk of the first waiting prompt beside the decoding rows (packed,
-`ragged`, unless the chunk is short beside wide drafts), sized from measured step times so that it takes a share
-of the step (`prefill_share`) and the requests decoding keep their pace while a long prompt joins. A batch where
-nobody decodes prefills its joiners whole: nobody waits for them.
+vLLM do): each step's forward carries a chunk of the waiting prompts, in the order they joined, beside the
+decoding rows (packed, `ragged`, unless the chunk is short beside wide drafts), sized from measured step times so
+that it takes a share of the step (`prefill_share`) and the requests decoding keep their pace while a long prompt
+joins. A batch where nobody decodes prefills its joiners whole: nobody waits for them.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ class Batch:
                 shared.take_back(request.policy, start)
 
     def step(self) -> list[tuple[Generation, list[int]]]:
-        """One round for every request whose prompt is in, sharing its forward with a chunk of the first joining
-        prompt: the tokens each request added (a joiner adds none). Requests that ended have left; one whose
+        """One round for every request whose prompt is in, sharing its forward with chunks of the joining prompts
+        (`_chunks`): the tokens each request added (a joiner adds none). Requests that ended have left; one whose
         leaving or prefill raised is in `failed` with its error (and in the list with no tokens), for its caller to
         fail that request alone."""
         self.failed, out, self.last = [], [], (0, 0, 0)
@@ -146,18 +146,18 @@ class Batch:
                 out += self._prefill(request)
         decoding = [request for request in self.requests if request not in self.joining]
         if decoding:
-            joiner = self.joining[0] if self.joining and self.prefill_share < 1 else None
-            chunk = None if joiner is None else (joiner.target, self._chunk_of(joiner))
-            held, started = 0 if joiner is None else len(joiner.target.tokens), time.perf_counter()
+            chunks = self._chunks() if self.prefill_share < 1 else []
+            held, started = sum(len(r.target.tokens) for r, _ in chunks), time.perf_counter()
             decision = OWN_CHOICE if len(decoding) == 1 else self.decision
-            out += zip(decoding, run_round(decoding, self.target, decision, prefill=chunk), strict=True)
+            prefill = [(r.target, tokens) for r, tokens in chunks]
+            out += zip(decoding, run_round(decoding, self.target, decision, prefill=prefill), strict=True)
             self._count(len(decoding), decoding)
-            if joiner is not None:
-                if len(chunk[1]) - held == self._chunk:  # a whole chunk (not a prompt's last): time it
-                    self._timed(time.perf_counter() - started)
-                if len(chunk[1]) == len(joiner.context) - 1:
+            if sum(len(tokens) for _, tokens in chunks) - held == self._chunk:  # the whole budget: time it
+                self._timed(time.perf_counter() - started)
+            for joiner, tokens in chunks:
+                if len(tokens) == len(joiner.context) - 1:
                     self.joining.remove(joiner)
-            elif self.joining:  # prefill_share 1: the prompt enters whole
+            if self.joining and self.prefill_share == 1:  # the prompt enters whole
                 out += self._prefill(self.joining[0])
         for request, _ in out:
             if request.done:
@@ -167,9 +167,19 @@ class Batch:
                     self.failed.append((request, err))
         return out
 
-    def _chunk_of(self, request: Generation) -> list[int]:
-        """The prompt tokens a joining request's row should hold after this step's forward."""
-        return request.context[: min(len(request.target.tokens) + self._chunk, len(request.context) - 1)]
+    def _chunks(self) -> list[tuple[Generation, list[int]]]:
+        """The prompt tokens joining requests' rows should hold after this step's forward: the step's chunk of
+        `_chunk` tokens filled in the order they joined (as Sarathi-Serve fills its token budget), so that short
+        prompts waiting behind a prompt's last tokens enter in the same step."""
+        out, budget = [], self._chunk
+        for request in self.joining:
+            if budget <= 0:
+                break
+            have = len(request.target.tokens)
+            goal = min(have + budget, len(request.context) - 1)
+            out.append((request, request.context[:goal]))
+            budget -= goal - have
+        return out
 
     def _timed(self, step_seconds: float) -> None:
         """The next chunk's length from this step's: a chunk should take `prefill_share` of a step. The forward's

@@ -144,7 +144,7 @@ class Row:
 
 class BatchedTarget:
     """The target model over rows of slots: `forward` verifies each row's draft tree after its context, all rows in
-    one model call, and may carry a chunk of a joining row's prompt beside them. The call pads every row to the
+    one model call, and may carry chunks of joining rows' prompts beside them. The call pads every row to the
     widest (rows between the ones named ride along, fed nothing) unless padding would feed `PACK_WHEN_PADDED` times
     the rows' own tokens or more: then it packs them (`ragged`), where a row costs its tokens and a little
     attention of its own.
@@ -261,16 +261,16 @@ class BatchedTarget:
 
     @torch.inference_mode()
     def forward(
-        self, items: list[tuple[Row, list[int], DraftTree]], prefill: tuple[Row, list[int]] | None = None
+        self, items: list[tuple[Row, list[int], DraftTree]], prefill: Sequence[tuple[Row, list[int]]] = ()
     ) -> list[torch.Tensor]:
         """Per (row, context, tree): logits [1 + tree.size, V] on the CPU, row 0 after the context and 1 + i after
         node i, as `CachedModel.logits_for_tree` gives them; the row then holds the context (the tree settles at
-        its next use). prefill: a joining request's row and the prompt tokens it should hold after this forward
-        (a chunk of its prompt sharing the forward). Rows between the ones named (requests still prefilling, forks
-        not drafting) are fed nothing."""
-        chunk = [] if prefill is None else [(prefill[0], prefill[1], DraftTree())]
+        its next use). prefill: joining requests' rows and the prompt tokens each should hold after this forward
+        (chunks of their prompts sharing the forward). Rows between the ones named (requests still prefilling,
+        forks not drafting) are fed nothing."""
+        chunks = [(row, tokens, DraftTree()) for row, tokens in prefill]
         started = time.perf_counter()
-        logits, computed = self._run(items, logits=True, prefill=chunk)
+        logits, computed = self._run(items, logits=True, prefill=chunks)
         self.last_forward = (computed, time.perf_counter() - started)
         return logits
 
@@ -429,7 +429,7 @@ def check_batched_logits(model: torch.nn.Module, tolerance: float | None = None)
     # two rows of widths 3 and 5 verified padded; row 3 verified with a chunk of 9 of row 2's prompt tokens beside
     # it, packed (`ragged`); then row 2 verified
     padded = target.forward(items[:2])
-    packed = target.forward(items[3:], prefill=(rows[2], contexts[2][:11]))
+    packed = target.forward(items[3:], prefill=[(rows[2], contexts[2][:11])])
     got = padded + target.forward(items[2:3]) + packed
     device = next(model.parameters()).device
     for logits, context, draft in zip(got, contexts, drafts, strict=True):
