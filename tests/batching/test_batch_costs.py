@@ -31,6 +31,12 @@ def test_sizes_between_calibrated_ones_are_interpolated_and_rounds_refine_them()
     cost.measure_batches({2: [0.02, 0.04], 4: [0.04, 0.08], 6: [0.06, 0.12]}, max_batch=6)  # a larger batch
     assert cost.forward(3, 2) == 0.1  # a size known keeps what rounds taught it
     assert abs(cost.forward(5, 2) - 0.10) < 1e-12 and cost.forward(6, 2) == 0.12
+    assert cost.covers(6, 2) and not cost.covers(6, 3) and not cost.covers(7, 2)
+    cost.measure_batches({2: [0.02, 0.04, 0.06], 4: [0.04, 0.08, 0.12]}, max_batch=4)  # a wider draft's range
+    assert cost.forward(3, 3) == 0.09 and cost.forward(3, 2) == 0.06  # re-measured: known widths were too few
+    lone = CostModel(TargetCost([0.01, 0.02]))
+    lone.observe_forward(2, 1, 0.5)  # no batch table: a batch's time is not taken for one request's
+    assert lone.target.observations() == 0
 
 
 def test_calibration_is_cached_per_model_and_sizes(tmp_path, monkeypatch):

@@ -105,30 +105,34 @@ def test_a_row_between_the_named_ones_is_fed_nothing_and_keeps_its_cache(model, 
 
 
 @pytest.mark.parametrize("layers", [(), (0,)])
-def test_a_prompt_chunk_packed_beside_the_rows_leaves_every_row_as_alone(model, layers):
-    """A forward verifying two rows (a chain and a tree) carries a chunk of a third row's prompt, packed with no
-    padding (`ragged`): the two rows' logits, and the third's logits and features once its prompt is in, are
-    a lone forward's."""
-    batch = BatchedTarget(model, rows=3, keep_features=True, capacity=8, feature_layers=layers)
-    rows = [batch.add_row() for _ in range(3)]
-    contexts = [[1, 5, 7, 9, 11, 2, 4], list(range(20, 60)), [7, 3]]
+def test_prompt_chunks_packed_beside_the_rows_leave_every_row_as_alone(model, layers):
+    """A forward verifying two rows (a chain and a tree) carries chunks of two more rows' prompts, packed with no
+    padding (`ragged`): the two rows' logits, and each joiner's logits and features once its prompt is in, are a
+    lone forward's."""
+    batch = BatchedTarget(model, rows=4, keep_features=True, capacity=8, feature_layers=layers)
+    rows = [batch.add_row() for _ in range(4)]
+    contexts = [[1, 5, 7, 9, 11, 2, 4], list(range(20, 60)), [7, 3], [3 + 7 * i % 50 for i in range(30)]]
     batch.prefill(rows[0], contexts[0])
     batch.prefill(rows[2], contexts[2])
     batch.prefill(rows[1], contexts[1], tokens=5)
+    batch.prefill(rows[3], contexts[3], tokens=3)
     trees = [DraftTree.chain(Draft([5, 9])), _tree()]
-    for end in (20, 39):  # two chunks: the second ends the prompt but for its last token
+    for end, other in ((20, 12), (39, 29)):  # two steps: the second ends both prompts but for their last tokens
         got = batch.forward(
-            [(rows[2], contexts[2], trees[1]), (rows[0], contexts[0], trees[0])], [(rows[1], contexts[1][:end])]
+            [(rows[2], contexts[2], trees[1]), (rows[0], contexts[0], trees[0])],
+            [(rows[1], contexts[1][:end]), (rows[3], contexts[3][:other])],
         )
-        assert len(rows[1].tokens) == end
+        assert len(rows[1].tokens) == end and len(rows[3].tokens) == other
         for logits, context, tree in zip(got, [contexts[2], contexts[0]], [trees[1], trees[0]], strict=True):
             torch.testing.assert_close(logits, _alone(model, context, tree), atol=1e-5, rtol=1e-5)
         contexts[0], contexts[2] = contexts[0] + [5, 30], contexts[2] + [3, 8, 31]  # accepted paths, then next round
-    (got,) = batch.forward([(rows[1], contexts[1], _tree())])
-    torch.testing.assert_close(got, _alone(model, contexts[1], _tree()), atol=1e-5, rtol=1e-5)
-    fresh = CachedModel(model, keep_features=True, feature_layers=layers)
-    fresh.logits_for(contexts[1])
-    torch.testing.assert_close(rows[1].features_for(contexts[1]), fresh.features_for(contexts[1]), atol=1e-5, rtol=1e-5)
+    for row in (1, 3):
+        (got,) = batch.forward([(rows[row], contexts[row], _tree())])
+        torch.testing.assert_close(got, _alone(model, contexts[row], _tree()), atol=1e-5, rtol=1e-5)
+        fresh = CachedModel(model, keep_features=True, feature_layers=layers)
+        fresh.logits_for(contexts[row])
+        want = fresh.features_for(contexts[row])
+        torch.testing.assert_close(rows[row].features_for(contexts[row]), want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_forward_packs_where_padding_would_feed_more_than_its_rows_carry(model, monkeypatch):

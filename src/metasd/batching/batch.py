@@ -69,9 +69,9 @@ class Batch:
             keep_features=bool(readers),
             feature_layers=feature_layers_read_by(readers),
         )
-        self.costs = decoder.cost_model()
-        if max_batch > 1:
-            widths = self.costs.target.max_tokens
+        self.costs = decoder.cost_model()  # T(B, W) is the decoder's: later batches keep what rounds taught it
+        widths = self.costs.target.max_tokens
+        if not self.costs.covers(max_batch, widths):
             tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, widths)
             self.costs.measure_batches(tables, max_batch)
         self.decision = BatchDecision(self.costs)
@@ -149,7 +149,7 @@ class Batch:
             chunks = self._chunks() if self.prefill_share < 1 else []
             held, started = sum(len(r.target.tokens) for r, _ in chunks), time.perf_counter()
             decision = OWN_CHOICE if len(decoding) == 1 else self.decision
-            prefill = [(r.target, tokens) for r, tokens in chunks]
+            prefill = [(r.target, tokens) for r, tokens in chunks if len(tokens) > len(r.target.tokens)]
             out += zip(decoding, run_round(decoding, self.target, decision, prefill=prefill), strict=True)
             self._count(len(decoding), decoding)
             if sum(len(tokens) for _, tokens in chunks) - held == self._chunk:  # the whole budget: time it
@@ -170,14 +170,14 @@ class Batch:
     def _chunks(self) -> list[tuple[Generation, list[int]]]:
         """The prompt tokens joining requests' rows should hold after this step's forward: the step's chunk of
         `_chunk` tokens filled in the order they joined (as Sarathi-Serve fills its token budget), so that short
-        prompts waiting behind a prompt's last tokens enter in the same step."""
+        prompts waiting behind a prompt's last tokens enter in the same step. A prompt with nothing left to feed (one
+        token: decoding feeds it) is in, budget or not."""
         out, budget = [], self._chunk
         for request in self.joining:
-            if budget <= 0:
-                break
-            have = len(request.target.tokens)
-            goal = min(have + budget, len(request.context) - 1)
-            out.append((request, request.context[:goal]))
+            have, last = len(request.target.tokens), len(request.context) - 1
+            goal = min(have + budget, last)
+            if goal > have or have == last:
+                out.append((request, request.context[:goal]))
             budget -= goal - have
         return out
 

@@ -188,14 +188,21 @@ class CostModel:
 
     def measure_batches(self, tables: dict[int, list[float]], max_batch: int) -> None:
         """T(B, W) for B = 2 .. max_batch from the tables calibrated at some sizes (`calibration.batch_sizes`),
-        interpolated between the nearest calibrated ones; sizes already known keep what rounds taught them."""
+        interpolated between the nearest calibrated ones; sizes already known over as many widths keep what rounds
+        taught them."""
         known = sorted(tables)
-        for b in range(len(self.rows) + 2, max_batch + 1):
+        for b in range(2, max_batch + 1):
+            if self.covers(b, len(tables[known[0]])):
+                continue
             lower = max((s for s in known if s <= b), default=known[0])
             upper = min((s for s in known if s >= b), default=known[-1])
             share = 0.0 if upper == lower else (b - lower) / (upper - lower)
             table = [(1 - share) * lo + share * hi for lo, hi in zip(tables[lower], tables[upper], strict=True)]
             self.rows[b] = TargetCost(table, plain_steps=False)  # nothing forces a plain round in a batch
+
+    def covers(self, max_batch: int, max_width: int) -> bool:
+        """Whether T(B, W) is known for B = 2 .. max_batch and W = 1 .. max_width (no calibration needed)."""
+        return all(b in self.rows and self.rows[b].max_tokens >= max_width for b in range(2, max_batch + 1))
 
     def _row(self, size: int) -> TargetCost:
         return self.target if size <= 1 or not self.rows else self.rows[min(size, max(self.rows))]
@@ -209,8 +216,10 @@ class CostModel:
         return [self.forward(size, w) for w in range(1, max_width + 1)]
 
     def observe_forward(self, size: int, width: int, seconds: float) -> None:
-        """A real forward over `size` rows of `width` new tokens took `seconds`."""
-        self._row(size).observe(width, seconds)
+        """A real forward over `size` rows of `width` new tokens took `seconds` (a batch's, where no batch table is
+        known, is not taken for one request's)."""
+        if size <= 1 or self.rows:
+            self._row(size).observe(width, seconds)
 
     def drafter(self, name: str) -> DrafterCost:
         """The costs of drafter `name`, created unmeasured on first use."""
