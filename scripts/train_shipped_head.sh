@@ -8,7 +8,9 @@
 #    (checkpoint.pt);
 # 3. then the target's own answers: it answers ShareGPT first turns (specialists/prompts/chat.jsonl, held apart from
 #    the conversations) greedily in bfloat16, its features captured as it writes (eagle-data/chat-answers), and the
-#    head learns them at a lower peak rate in two phases, the second on a corpus grown past the first's;
+#    head learns them at a lower peak rate in two phases, the second on a corpus grown past the first's; a third
+#    adds its answers to 2,500 more first turns, from the end of the conversations' file and none answered
+#    before, and learns both corpora;
 # 4. the head written into the package (checkpoint and learning curve stay out of it).
 # Usage: bash scripts/train_shipped_head.sh   (from the repository root, in the project's venv)
 set -euo pipefail
@@ -32,11 +34,28 @@ metasd train-eagle "${common[@]}" --texts-tokens 2800000 --init eagle-data/head-
     --texts-skip-tokens 2800000 --out eagle-data/head-stream-amx-2
 metasd train-eagle "${common[@]}" --texts-tokens 4400000 --init eagle-data/head-stream-amx-2 \
     --texts-skip-tokens 5600000 --out eagle-data/head-stream-amx-3
-answers=(--prompts specialists/prompts/chat.jsonl --corpus eagle-data/chat-answers --max-new-tokens 256 --gen-batch 48
-    --dtype bfloat16 --feature-layers auto --unroll 3 --held-out eagle-data/everyday --lr 3e-4 --autocast
-    --evaluate-every 10 --threads 2)
-metasd train-eagle "${answers[@]}" --corpus-tokens 250000 --epochs 3 --init eagle-data/head-stream-amx-3 \
+answers=(--max-new-tokens 256 --gen-batch 48 --dtype bfloat16 --feature-layers auto --unroll 3
+    --held-out eagle-data/everyday --lr 3e-4 --autocast --evaluate-every 10 --threads 2)
+chat=(--prompts specialists/prompts/chat.jsonl --corpus eagle-data/chat-answers)
+metasd train-eagle "${answers[@]}" "${chat[@]}" --corpus-tokens 250000 --epochs 3 --init eagle-data/head-stream-amx-3 \
     --out eagle-data/head-answers
-metasd train-eagle "${answers[@]}" --corpus-tokens 500000 --epochs 2 --init eagle-data/head-answers \
+metasd train-eagle "${answers[@]}" "${chat[@]}" --corpus-tokens 500000 --epochs 2 --init eagle-data/head-answers \
     --out eagle-data/head-answers-2
-mkdir -p "$out" && cp eagle-data/head-answers-2/config.json eagle-data/head-answers-2/head.safetensors "$out/"
+python - <<'TAIL'
+import json
+from pathlib import Path
+lines = [line for line in Path("specialists/corpora/chat.jsonl").read_text(encoding="utf-8").split("\n") if line]
+used = {json.loads(line)["prompt"] for line in Path("specialists/prompts/chat.jsonl").read_text().splitlines()}
+tail = []
+for line in reversed(lines):  # first turns from the file's end, none of those answered above
+    turns = json.loads(line)["conversations"]
+    first = turns[0].get("value", "") if turns and turns[0].get("from") == "human" else ""
+    if 20 <= len(first) <= 2000 and first not in used and len(tail) < 2500:
+        tail.append(json.dumps({"prompt": first}))
+Path("eagle-data/prompts").mkdir(parents=True, exist_ok=True)
+Path("eagle-data/prompts/chat-tail.jsonl").write_text("\n".join(tail) + "\n")
+TAIL
+metasd train-eagle "${answers[@]}" --prompts eagle-data/prompts/chat-tail.jsonl \
+    --corpus eagle-data/chat-answers-tail eagle-data/chat-answers --corpus-tokens 600000 --epochs 2 \
+    --init eagle-data/head-answers-2 --out eagle-data/head-answers-3
+mkdir -p "$out" && cp eagle-data/head-answers-3/config.json eagle-data/head-answers-3/head.safetensors "$out/"
