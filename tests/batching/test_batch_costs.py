@@ -17,7 +17,7 @@ def test_sizes_double_up_to_the_largest_batch():
 
 def test_sizes_between_calibrated_ones_are_interpolated_and_rounds_refine_them():
     cost = CostModel(TargetCost([0.01, 0.02]))
-    cost.measure_batches({2: [0.02, 0.04], 4: [0.04, 0.08]}, max_batch=4)
+    cost.add_batch_tables({2: [0.02, 0.04], 4: [0.04, 0.08]}, max_batch=4)
     assert cost.forward(1, 2) == 0.02 and cost.forward(2, 1) == 0.02 and cost.forward(4, 2) == 0.08
     assert abs(cost.forward(3, 2) - 0.06) < 1e-12
     assert cost.forward(9, 2) == 0.08  # past the largest batch: its table
@@ -28,11 +28,11 @@ def test_sizes_between_calibrated_ones_are_interpolated_and_rounds_refine_them()
     assert cost.target.observations() == 1  # a batch of one is the request's own T(M)
     cost.target = TargetCost([0.03, 0.05])  # the decoder extends T(M)'s range: B = 1 follows
     assert cost.forward(1, 2) == 0.05 and cost.forward(2, 2) == 0.04
-    cost.measure_batches({2: [0.02, 0.04], 4: [0.04, 0.08], 6: [0.06, 0.12]}, max_batch=6)  # a larger batch
+    cost.add_batch_tables({2: [0.02, 0.04], 4: [0.04, 0.08], 6: [0.06, 0.12]}, max_batch=6)  # a larger batch
     assert cost.forward(3, 2) == 0.1  # a size known keeps what rounds taught it
     assert abs(cost.forward(5, 2) - 0.10) < 1e-12 and cost.forward(6, 2) == 0.12
     assert cost.covers(6, 2) and not cost.covers(6, 3) and not cost.covers(7, 2)
-    cost.measure_batches({2: [0.02, 0.04, 0.06], 4: [0.04, 0.08, 0.12]}, max_batch=4)  # a wider draft's range
+    cost.add_batch_tables({2: [0.02, 0.04, 0.06], 4: [0.04, 0.08, 0.12]}, max_batch=4)  # a wider draft's range
     assert cost.forward(3, 3) == 0.09 and cost.forward(3, 2) == 0.06  # re-measured: known widths were too few
     lone = CostModel(TargetCost([0.01, 0.02]))
     lone.observe_forward(2, 1, 0.5)  # no batch table: a batch's time is not taken for one request's
@@ -66,7 +66,7 @@ def test_widths_no_round_measured_follow_those_measured():
     decision on the refined table is the decision on the true one."""
     calibrated = [0.02, 0.021, 0.022, 0.023, 0.05, 0.07]
     cost = CostModel(TargetCost([0.01] * 6))
-    cost.measure_batches({2: calibrated}, max_batch=2)
+    cost.add_batch_tables({2: calibrated}, max_batch=2)
     for _ in range(TargetCost.TRUSTED):
         for width in (2, 3, 4):
             cost.observe_forward(2, width, 2 * calibrated[width - 1])

@@ -73,7 +73,7 @@ class Batch:
         widths = self.costs.target.max_tokens
         if not self.costs.covers(max_batch, widths):
             tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, widths)
-            self.costs.measure_batches(tables, max_batch)
+            self.costs.add_batch_tables(tables, max_batch)
         self.decision = BatchDecision(self.costs)
         self.requests: list[Generation] = []
         self.joining: list[Generation] = []  # requests whose prompts are not all in yet, in the order they joined

@@ -182,11 +182,11 @@ class CostModel:
 
     def __init__(self, target: TargetCost):
         self.target = target  # T(1, W) = T(M), replaced when the decoder extends its range
-        self.rows: dict[int, TargetCost] = {}  # T(B, W) for B = 2 .. the largest batch (`measure_batches`)
+        self.rows: dict[int, TargetCost] = {}  # T(B, W) for B = 2 .. the largest batch (`add_batch_tables`)
         self.drafters: dict[str, DrafterCost] = {}
         self.overhead = {regime: _Mean() for regime in REGIMES}
 
-    def measure_batches(self, tables: dict[int, list[float]], max_batch: int) -> None:
+    def add_batch_tables(self, tables: dict[int, list[float]], max_batch: int) -> None:
         """T(B, W) for B = 2 .. max_batch from the tables calibrated at some sizes (`calibration.batch_sizes`),
         interpolated between the nearest calibrated ones; sizes already known over as many widths keep what rounds
         taught them."""
