@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded model (loaded once per test run: metasd.models.loading caches it per process) and
 the tests' own questions in Spec-Bench's format (tests/data/questions.jsonl)."""
 
+import json
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -12,6 +13,24 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 QUESTIONS = Path(__file__).resolve().parent / "data" / "questions.jsonl"  # Spec-Bench's format, written for the tests
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_calibrations_left_behind(tmp_path_factory):
+    """The tests' temporary models lie under a new path every run, so the T(M) and T(B, W) tables measured for them
+    would pile up in the calibration cache, never read again: they are removed when the run ends (the embedded
+    model's stay, for the next run)."""
+    yield
+    from metasd.models.embedded import cache_dir
+
+    base = str(tmp_path_factory.getbasetemp())
+    for path in (cache_dir() / "calibration").glob("*.json"):
+        try:
+            model = str(json.loads(path.read_text())["key"]["model"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if model.startswith(base):
+            path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
