@@ -1,6 +1,8 @@
 """T(B, W), what batch rounds cost: the sizes calibrated, interpolation between them, refinement from real rounds,
 and the disk cache (a tiny model: calibration takes milliseconds)."""
 
+import json
+
 import pytest
 import torch
 from helpers import tiny_llama
@@ -39,15 +41,39 @@ def test_sizes_between_calibrated_ones_are_interpolated_and_rounds_refine_them()
     assert lone.target.observations() == 0
 
 
-def test_calibration_is_cached_per_model_and_sizes(tmp_path, monkeypatch):
+def test_calibration_is_cached_per_model_and_a_larger_batch_measures_only_its_new_sizes(tmp_path, monkeypatch):
+    import metasd.costs.calibration as calibration
+
     monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
+    measured = []
+    real = calibration.calibrate_batch
+    monkeypatch.setattr(calibration, "calibrate_batch", lambda m, sizes, w: measured.append(sizes) or real(m, sizes, w))
     torch.manual_seed(0)
     model = tiny_llama(layers=1)
     tables = load_or_calibrate_batch("tiny", model, max_batch=4, max_width=3)
     assert sorted(tables) == [2, 4] and all(len(t) == 3 and min(t) > 0 for t in tables.values())
     files = list((tmp_path / "calibration").glob("*-batch.json"))
-    assert len(files) == 1
+    assert len(files) == 1 and measured == [[2, 4]]
     assert load_or_calibrate_batch("tiny", model, max_batch=4, max_width=3) == tables  # read back, not measured
+    larger = load_or_calibrate_batch("tiny", model, max_batch=8, max_width=3)
+    assert measured == [[2, 4], [8]] and {b: larger[b] for b in (2, 4)} == tables  # sizes it had are read
+    assert load_or_calibrate_batch("tiny", model, max_batch=2, max_width=3) == {2: tables[2]}
+    load_or_calibrate_batch("tiny", model, max_batch=2, max_width=3, candidates=["linear"])
+    assert measured[-1] == [2] and len(list((tmp_path / "calibration").glob("*-batch.json"))) == 2  # other kernels
+
+
+def test_a_batch_cache_with_a_time_that_is_not_positive_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = tiny_llama(layers=1)
+    load_or_calibrate_batch("tiny", model, max_batch=2, max_width=2)
+    (path,) = (tmp_path / "calibration").glob("*-batch.json")
+    data = json.loads(path.read_text())
+    data["tables"]["2"][0] = 0.0
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="ignoring the batch calibration cache"):
+        tables = load_or_calibrate_batch("tiny", model, max_batch=2, max_width=2)
+    assert min(tables[2]) > 0 and min(json.loads(path.read_text())["tables"]["2"]) > 0
 
 
 def test_a_cache_that_cannot_be_written_warns_and_the_tables_still_serve(tmp_path, monkeypatch):

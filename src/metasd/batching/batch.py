@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ..cached_model import feature_layers_read_by
 from ..costs import load_or_calibrate_batch
 from ..engine import OWN_CHOICE, Decoder, Generation
+from ..models.linear_kernels import KERNEL_MODES
 from ..policy import Policy
 from ..round import run_round
 from ..slots import BatchedTarget, check_batched_logits
@@ -72,7 +73,8 @@ class Batch:
         self.costs = decoder.cost_model()  # T(B, W) is the decoder's: later batches keep what rounds taught it
         widths = self.costs.target.max_tokens
         if not self.costs.covers(max_batch, widths):
-            tables = load_or_calibrate_batch(decoder.target.spec, decoder.target.model, max_batch, widths)
+            model, candidates = decoder.target.model, KERNEL_MODES[decoder.kernels]
+            tables = load_or_calibrate_batch(decoder.target.spec, model, max_batch, widths, candidates)
             self.costs.add_batch_tables(tables, max_batch)
         self.decision = BatchDecision(self.costs)
         self.requests: list[Generation] = []

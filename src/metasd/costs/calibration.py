@@ -1,14 +1,16 @@
 """Measuring the target's forward on this machine: T(M) for one request (`calibrate`: M = 1 .. max new tokens under
 each linear kernel of `metasd.models.linear_kernels`, the faster kept per M) and T(B, W) for batches of B rows of W
-tokens (`calibrate_batch`, B = 2, 4, ... max batch), both cached on disk per model, dtype, thread count and machine
-(`metasd calibrate` prints T(M)). A forward over B x W tokens costs about what one over B x W tokens of a single
-request costs where the machine is compute bound, and much less than B separate forwards where it is bound by
-reading the weights; which, and where the turn comes, differs by machine and dtype, so it is measured."""
+tokens (`calibrate_batch`, B = 2, 4, ... max batch), both cached on disk per model, dtype, thread count, machine
+and linear kernels (`metasd calibrate` prints T(M)). A forward over B x W tokens costs about what one over B x W
+tokens of a single request costs where the machine is compute bound, and much less than B separate forwards where
+it is bound by reading the weights; which, and where the turn comes, differs by machine and dtype, so it is
+measured."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import statistics
 import time
@@ -197,17 +199,35 @@ def calibrate_batch(model: torch.nn.Module, sizes: Sequence[int], max_width: int
     return out
 
 
-def load_or_calibrate_batch(spec: str, model: torch.nn.Module, max_batch: int, max_width: int) -> dict[int, list]:
-    """The T(B, W) tables from the disk cache, else measured now and cached (beside the T(M) calibration)."""
-    sizes = batch_sizes(max_batch)
-    key = {**calibration_key(spec, model, max_width), "batch_sizes": sizes}
+def load_or_calibrate_batch(
+    spec: str, model: torch.nn.Module, max_batch: int, max_width: int, candidates: Sequence[str] = KERNELS
+) -> dict[int, list]:
+    """The T(B, W) tables for `batch_sizes(max_batch)`, W = 1 .. max_width: from the disk cache (one file per model,
+    machine, width range and kernel candidates, beside the T(M) calibration, a table per size), and measured now
+    for the sizes it lacks (a later, larger batch measures only its new sizes), which are then added to it."""
+    key = calibration_key(spec, model, max_width, candidates)
     path = cache_file(key).with_name(cache_file(key).stem + "-batch.json")
+    cached = _read_batch(path, key)
+    missing = [b for b in batch_sizes(max_batch) if b not in cached]
+    if missing:
+        cached.update(calibrate_batch(model, missing, max_width))
+        _write(path, {"key": key, "tables": {str(b): t for b, t in sorted(cached.items())}})
+    return {b: cached[b] for b in batch_sizes(max_batch)}
+
+
+def _read_batch(path: Path, key: dict) -> dict[int, list[float]]:
+    """The cached T(B, W) tables measured under `key`, or none (with a warning when a file is there but unusable:
+    corrupt, foreign, or holding a table of another length or a time that is not positive)."""
+    if not path.is_file():
+        return {}
     try:
-        data = json.loads(path.read_text()) if path.is_file() else None
-        if data is not None and data["key"] == key and all(len(data["tables"][str(b)]) == max_width for b in sizes):
-            return {b: [float(t) for t in data["tables"][str(b)]] for b in sizes}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        warnings.warn(f"ignoring the batch calibration cache {path}: {err}", stacklevel=2)
-    tables = calibrate_batch(model, sizes, max_width)
-    _write(path, {"key": key, "tables": {str(b): t for b, t in tables.items()}})
-    return tables
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            raise ValueError("it was measured for another model, dtype or machine")
+        tables = {int(b): [float(t) for t in table] for b, table in data["tables"].items()}
+        if any(len(t) != key["max_tokens"] or not all(0 < x < math.inf for x in t) for t in tables.values()):
+            raise ValueError("a table is malformed")
+        return tables
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        warnings.warn(f"ignoring the batch calibration cache {path}: {err}", stacklevel=3)
+        return {}
