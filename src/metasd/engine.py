@@ -435,7 +435,7 @@ class Generation:
                 self.decoder.costs,
                 clock,
                 state.proposal_times.get(arm, 0.0),
-                tree.size,
+                state.forward,
                 prefilled,
                 fresh,
                 draft.forwards,

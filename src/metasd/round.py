@@ -77,6 +77,7 @@ class RoundState:
     draft: Draft = field(default_factory=lambda: Draft([]))
     extension: Extension | None = None
     tree: DraftTree = field(default_factory=DraftTree)
+    forward: tuple[int, int] = (1, 1)  # the target forward's rows and padded width (B, W): T(B, W) prices it
 
 
 class RoundRequest(Protocol):
@@ -178,11 +179,12 @@ def run_round(
     started = time.perf_counter()
     logits = verifier.forward(items, prefill=prefill)  # 4. one target forward
     ended = time.perf_counter()
+    shape = (len(requests), max(state.tree.size for state in states) + 1)
     if not prefill:
-        decision.observe(len(requests), max(state.tree.size for state in states) + 1, ended - started)
+        decision.observe(*shape, ended - started)
     added = []
     for request, state, rows, before in zip(requests, states, logits, fed, strict=True):  # 5. accept, emit, learn
-        state.clock.verifying, state.clock.forwarded = started, ended
+        state.clock.verifying, state.clock.forwarded, state.forward = started, ended, shape
         # the forward took in a prompt too (its own, or a joiner's chunk): the policy is rewarded as without it
         prefilled = bool(prefill) or request.target.fed_tokens - before > state.tree.size + 1
         added.append(request.accept(state, rows, prefilled=prefilled, alone=alone))

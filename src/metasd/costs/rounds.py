@@ -11,20 +11,20 @@ def reward_times(
     costs: CostModel | None,
     clock: RoundClock,
     proposal_time: float,
-    verified: int,
+    forward: tuple[int, int],
     prefilled: bool,
     fresh_drafter: str | None,
     forwards: int,
 ) -> dict[str, float]:
     """The times a policy's reward sees: what the round costs in steady state. A prompt prefill (the target's, or a
     fresh model drafter's first draft taking in its own copy: `fresh_drafter`, its name, drafting in `forwards`
-    forwards) is replaced by the cost model's estimate of the same round without it, as T(M) and the step costs
-    leave prefills out."""
+    forwards) is replaced by the cost model's estimate of the same round without it, as T(B, W) and the step costs
+    leave prefills out: `forward`, the forward's (B, W), is priced as a batch round, or T(M) alone."""
     draft_time, verify_time = proposal_time + clock.draft_seconds, clock.verify_seconds
     if costs is None:
         return {"draft_time": draft_time, "verify_time": verify_time, "plain_step_time": 0.0}
     if prefilled:
-        verify_time = costs.target(verified + 1) + clock.accept_seconds
+        verify_time = costs.forward(*forward) + clock.accept_seconds
     if fresh_drafter is not None:
         draft_time = forwards * costs.drafter(fresh_drafter).step_time(costs.target(1))
     return {"draft_time": draft_time, "verify_time": verify_time, "plain_step_time": costs.target(1)}
