@@ -71,7 +71,7 @@ def test_a_batch_cache_with_a_time_that_is_not_positive_is_measured_again(tmp_pa
     data = json.loads(path.read_text())
     data["tables"]["2"][0] = 0.0
     path.write_text(json.dumps(data))
-    with pytest.warns(UserWarning, match="ignoring the batch calibration cache"):
+    with pytest.warns(UserWarning, match="ignoring the calibration cache"):
         tables = load_or_calibrate_batch("tiny", model, max_batch=2, max_width=2)
     assert min(tables[2]) > 0 and min(json.loads(path.read_text())["tables"]["2"]) > 0
 

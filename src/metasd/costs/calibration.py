@@ -15,9 +15,10 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -28,6 +29,7 @@ from ..models.linear_kernels import KERNELS, install
 from ..slots import BatchedTarget
 from ..tree import DraftTree
 
+T = TypeVar("T")
 CONTEXT = 256  # tokens already in the cache when timing: a typical prompt, so attention is not free
 
 
@@ -108,27 +110,40 @@ def cache_file(key: dict) -> Path:
     return cache_dir() / "calibration" / f"{digest}.json"
 
 
-def _read(path: Path, key: dict) -> Calibration | None:
-    """The cached calibration, or None (with a warning when a file is there but unusable: corrupt or foreign)."""
+def _read(path: Path, key: dict, parse: Callable[[dict, dict], T]) -> T | None:
+    """What `parse` makes of the calibration cached at `path` under `key` (from the file's data and the key), or
+    None, with a warning when a file is there but unusable: corrupt, foreign, or malformed (`parse` raises)."""
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
         if data["key"] != key:
             raise ValueError("it was measured for another model, dtype or machine")
-        table = [float(t) for t in data["table"]]
-        kernels = [str(k) for k in data["kernels"]]
-        if (
-            len(table) != key["max_tokens"]
-            or any(not t > 0 for t in table)
-            or len(kernels) != len(table)
-            or not set(kernels) <= set(key["kernels"])
-        ):
-            raise ValueError("its table is malformed")
-        return Calibration(table, kernels)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        return parse(data, key)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         warnings.warn(f"ignoring the calibration cache {path}: {err}", stacklevel=3)
         return None
+
+
+def _times(table: Sequence, width: int) -> list[float]:
+    """A cached table of `width` times in seconds, each positive and finite, else ValueError."""
+    times = [float(t) for t in table]
+    if len(times) != width or not all(0 < t < math.inf for t in times):
+        raise ValueError("a table is malformed")
+    return times
+
+
+def _calibration(data: dict, key: dict) -> Calibration:
+    """A cached T(M) calibration: its table and the kernel chosen per M."""
+    table, kernels = _times(data["table"], key["max_tokens"]), [str(k) for k in data["kernels"]]
+    if len(kernels) != len(table) or not set(kernels) <= set(key["kernels"]):
+        raise ValueError("its kernels are malformed")
+    return Calibration(table, kernels)
+
+
+def _batch_tables(data: dict, key: dict) -> dict[int, list[float]]:
+    """Cached T(B, W) tables, per batch size."""
+    return {int(b): _times(table, key["max_tokens"]) for b, table in data["tables"].items()}
 
 
 def _write(path: Path, data: dict) -> None:
@@ -149,7 +164,7 @@ def load_or_calibrate(
     model's linear layers are routed to the kernels the calibration chose among `candidates`."""
     key = calibration_key(spec, model, max_tokens, candidates)
     path = cache_file(key)
-    found = None if refresh else _read(path, key)
+    found = None if refresh else _read(path, key, _calibration)
     if found is not None:
         install(model, found.kernels)
         return found
@@ -207,27 +222,9 @@ def load_or_calibrate_batch(
     for the sizes it lacks (a later, larger batch measures only its new sizes), which are then added to it."""
     key = calibration_key(spec, model, max_width, candidates)
     path = cache_file(key).with_name(cache_file(key).stem + "-batch.json")
-    cached = _read_batch(path, key)
+    cached = _read(path, key, _batch_tables) or {}
     missing = [b for b in batch_sizes(max_batch) if b not in cached]
     if missing:
         cached.update(calibrate_batch(model, missing, max_width))
         _write(path, {"key": key, "tables": {str(b): t for b, t in sorted(cached.items())}})
     return {b: cached[b] for b in batch_sizes(max_batch)}
-
-
-def _read_batch(path: Path, key: dict) -> dict[int, list[float]]:
-    """The cached T(B, W) tables measured under `key`, or none (with a warning when a file is there but unusable:
-    corrupt, foreign, or holding a table of another length or a time that is not positive)."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            raise ValueError("it was measured for another model, dtype or machine")
-        tables = {int(b): [float(t) for t in table] for b, table in data["tables"].items()}
-        if any(len(t) != key["max_tokens"] or not all(0 < x < math.inf for x in t) for t in tables.values()):
-            raise ValueError("a table is malformed")
-        return tables
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        warnings.warn(f"ignoring the batch calibration cache {path}: {err}", stacklevel=3)
-        return {}
