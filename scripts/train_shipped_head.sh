@@ -10,7 +10,8 @@
 #    the conversations) greedily in bfloat16, its features captured as it writes (eagle-data/chat-answers), and the
 #    head learns them at a lower peak rate in two phases, the second on a corpus grown past the first's; a third
 #    adds its answers to 2,500 more first turns, from the end of the conversations' file and none answered
-#    before, and learns both corpora;
+#    before, and learns both corpora; a fourth its answers to the next 2,500 from the end and to stdlib code prompts
+#    (specialists/prompts/code.jsonl), learnt with the third's;
 # 4. the head written into the package (checkpoint and learning curve stay out of it).
 # Usage: bash scripts/train_shipped_head.sh   (from the repository root, in the project's venv)
 set -euo pipefail
@@ -46,16 +47,25 @@ import json
 from pathlib import Path
 lines = [line for line in Path("specialists/corpora/chat.jsonl").read_text(encoding="utf-8").split("\n") if line]
 used = {json.loads(line)["prompt"] for line in Path("specialists/prompts/chat.jsonl").read_text().splitlines()}
-tail = []
+tail, tail_2 = [], []
 for line in reversed(lines):  # first turns from the file's end, none of those answered above
     turns = json.loads(line)["conversations"]
     first = turns[0].get("value", "") if turns and turns[0].get("from") == "human" else ""
-    if 20 <= len(first) <= 2000 and first not in used and len(tail) < 2500:
-        tail.append(json.dumps({"prompt": first}))
+    if 20 <= len(first) <= 2000 and first not in used:
+        if len(tail) < 2500:
+            tail.append(first)
+        elif first not in tail and first not in tail_2 and len(tail_2) < 2500:
+            tail_2.append(first)  # the fourth phase's: the next ones, none seen before
 Path("eagle-data/prompts").mkdir(parents=True, exist_ok=True)
-Path("eagle-data/prompts/chat-tail.jsonl").write_text("\n".join(tail) + "\n")
+for name, prompts in (("chat-tail", tail), ("chat-tail-2", tail_2)):
+    Path(f"eagle-data/prompts/{name}.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n")
 TAIL
 metasd train-eagle "${answers[@]}" --prompts eagle-data/prompts/chat-tail.jsonl \
     --corpus eagle-data/chat-answers-tail eagle-data/chat-answers --corpus-tokens 600000 --epochs 2 \
     --init eagle-data/head-answers-2 --out eagle-data/head-answers-3
-mkdir -p "$out" && cp eagle-data/head-answers-3/config.json eagle-data/head-answers-3/head.safetensors "$out/"
+# the fourth: answers to the next first turns from the file's end and to the code prompts, interleaved, learnt with
+# the third's
+metasd train-eagle "${answers[@]}" --prompts eagle-data/prompts/chat-tail-2.jsonl specialists/prompts/code.jsonl \
+    --corpus eagle-data/answers-code-chat eagle-data/chat-answers-tail --corpus-tokens 620000 --epochs 2 \
+    --init eagle-data/head-answers-3 --out eagle-data/head-answers-4
+mkdir -p "$out" && cp eagle-data/head-answers-4/config.json eagle-data/head-answers-4/head.safetensors "$out/"
