@@ -220,11 +220,12 @@ def load_or_calibrate_batch(
     """The T(B, W) tables for `batch_sizes(max_batch)`, W = 1 .. max_width: from the disk cache (one file per model,
     machine, width range and kernel candidates, beside the T(M) calibration, a table per size), and measured now
     for the sizes it lacks (a later, larger batch measures only its new sizes), which are then added to it."""
-    key = calibration_key(spec, model, max_width, candidates)
-    path = cache_file(key).with_name(cache_file(key).stem + "-batch.json")
+    key, sizes = calibration_key(spec, model, max_width, candidates), batch_sizes(max_batch)
+    beside = cache_file(key)
+    path = beside.with_name(beside.stem + "-batch.json")
     cached = _read(path, key, _batch_tables) or {}
-    missing = [b for b in batch_sizes(max_batch) if b not in cached]
+    missing = [b for b in sizes if b not in cached]
     if missing:
         cached.update(calibrate_batch(model, missing, max_width))
         _write(path, {"key": key, "tables": {str(b): t for b, t in sorted(cached.items())}})
-    return {b: cached[b] for b in batch_sizes(max_batch)}
+    return {b: cached[b] for b in sizes}
