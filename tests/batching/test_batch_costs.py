@@ -2,6 +2,7 @@
 and the disk cache (a tiny model: calibration takes milliseconds)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -100,3 +101,47 @@ def test_widths_no_round_measured_follow_those_measured():
     truth = decide(plans, [2 * t for t in calibrated])
     assert 2 <= truth.width <= 4
     assert decide(plans, cost.forward_widths(2, 6)).choices == truth.choices
+
+
+@pytest.mark.parametrize("which", ["T(M)", "T(B, W)"])
+def test_a_table_measured_while_other_processes_held_the_cpus_serves_the_run_but_is_not_cached(
+    which, tmp_path, monkeypatch
+):
+    """Contention while measuring would skew every later run that reads the table: it is used now, not cached."""
+    import metasd.costs.calibration as calibration
+
+    monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "CONTENDED", 0.25)
+    torch.manual_seed(0)
+    model = tiny_llama(layers=1)
+
+    def measure():
+        if which == "T(M)":
+            return calibration.load_or_calibrate("tiny", model, 3).table
+        return load_or_calibrate_batch("tiny", model, max_batch=2, max_width=3)[2]
+
+    # (every CPU's ticks, busy ones, this process's): others busy (900 - 300) of 1000 ticks, then (800 - 700)
+    ticks = iter([(1000, 600, 100), (2000, 1500, 400), (3000, 1600, 500), (4000, 2400, 1200)])
+    monkeypatch.setattr(calibration, "cpu_ticks", lambda: next(ticks))
+    with pytest.warns(UserWarning, match=re.escape(f"other processes used 60% of the CPUs while {which} was measured")):
+        served = measure()
+    assert len(served) == 3 and min(served) > 0
+    assert not list((tmp_path / "calibration").glob("*.json"))
+    measure()  # 10 % of the machine was others': cached
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+
+
+def test_the_cpu_ticks_count_this_process_s_work():
+    import time
+
+    from metasd.costs.calibration import cpu_ticks
+
+    before = cpu_ticks()
+    if before is None:
+        pytest.skip("no /proc on this machine")
+    started = time.process_time()
+    while time.process_time() - started < 0.3:
+        pass
+    after = cpu_ticks()
+    total, busy, own = (a - b for a, b in zip(after, before, strict=True))
+    assert total >= busy >= 0 and own >= 20  # 0.3 s of this process's CPU time at 100 ticks a second

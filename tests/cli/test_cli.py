@@ -57,6 +57,28 @@ def test_plain_output_prints_text_and_statistics(capsys, embedded):
     assert "tok/s" in err and "mean accepted tokens" in err
 
 
+def test_calibrate_max_batch_prints_t_b_w_and_refresh_measures_it_again(capsys, embedded, tmp_path, monkeypatch):
+    import metasd.costs.calibration as calibration
+    from metasd.models.linear_kernels import install, installed
+
+    monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
+    measured = []
+    real = calibration.calibrate_batch
+    monkeypatch.setattr(calibration, "calibrate_batch", lambda m, sizes, w: measured.append(sizes) or real(m, sizes, w))
+    before = installed(embedded.model)
+    try:
+        for argv in ([], [], ["--refresh"]):
+            assert main(["calibrate", "--max-tokens", "2", "--max-batch", "2", *argv]) == 0
+            lines = capsys.readouterr().out.splitlines()
+            assert lines[-3].startswith("T(B, W) in ms; cache: ") and lines[-2].split() == ["B", "W=1", "W=2"]
+            size, *times = lines[-1].split()
+            assert size == "2" and len(times) == 2 and all(float(t) > 0 for t in times)
+    finally:
+        if before is not None:
+            install(embedded.model, before)
+    assert measured == [[2], [2]]  # the second run read the cache; --refresh measured again
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -107,6 +129,7 @@ def test_calibrate_prints_the_table_and_the_kernel_of_each_m(capsys, embedded):
     "argv, message",
     [
         (["serve", "--max-batch", "0"], "--max-batch"),
+        (["calibrate", "--max-batch", "0"], "--max-batch"),
         (["serve-bench", "--clients", "0"], "--clients"),
         (["serve-bench", "--max-batch", "0"], "--max-batch"),
         (["serve", "--learn-heads", "d", "--replicas", "2"], "--learn-heads"),

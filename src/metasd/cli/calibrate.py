@@ -1,4 +1,5 @@
-"""`metasd calibrate`: measure T(M), the target's forward time for M new tokens, and cache it."""
+"""`metasd calibrate`: measure T(M), the target's forward time for M new tokens, and T(B, W) for batches of B rows
+(`--max-batch`), and cache them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The `metasd calibrate` subcommand's arguments."""
     cal = sub.add_parser("calibrate", help="measure T(M), the target's forward time for M new tokens, and cache it")
     cal.add_argument("--max-tokens", type=int, default=13, help="largest M (default: %(default)s)")
-    cal.add_argument("--refresh", action="store_true", help="measure again even if the cache has this machine's table")
+    cal.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="also T(B, W) for batches of up to B rows, as `serve --max-batch B` uses (default: %(default)s: none)",
+    )
+    cal.add_argument("--refresh", action="store_true", help="measure again even if the cache has this machine's tables")
     add_model_args(cal)
     add_device_args(cal)
     cal.set_defaults(handler=run)
@@ -21,8 +28,10 @@ def run(args: argparse.Namespace) -> None:
     """Run `metasd calibrate` with the parsed arguments."""
     if not 1 <= args.max_tokens <= 256:
         raise ValueError(f"--max-tokens must be in 1..256, got {args.max_tokens}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     set_threads(args.threads)
-    from ..costs import cache_file, calibration_key, load_or_calibrate
+    from ..costs import batch_cache_file, cache_file, calibration_key, load_or_calibrate, load_or_calibrate_batch
     from ..models.linear_kernels import KERNEL_MODES
     from ..models.loading import load_model
 
@@ -37,3 +46,11 @@ def run(args: argparse.Namespace) -> None:
     print(f"{'M':>4} {'ms':>9} {'T(M)/T(1)':>10}  linear kernel")
     for m, (t, kernel) in enumerate(zip(table, found.kernels, strict=True), 1):
         print(f"{m:>4} {t * 1000:>9.2f} {t / table[0]:>10.2f}  {kernel}")
+    if args.max_batch > 1:
+        tables = load_or_calibrate_batch(
+            target.spec, target.model, args.max_batch, args.max_tokens, candidates, refresh=args.refresh
+        )
+        print(f"T(B, W) in ms; cache: {batch_cache_file(key)}")
+        print(f"{'B':>4} " + " ".join(f"{f'W={w}':>7}" for w in range(1, args.max_tokens + 1)))
+        for b, times in tables.items():
+            print(f"{b:>4} " + " ".join(f"{t * 1000:>7.1f}" for t in times))

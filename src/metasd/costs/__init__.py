@@ -4,6 +4,7 @@ measured (`calibration`), and what a finished round tells both (`rounds`)."""
 from .calibration import (
     CONTEXT,
     Calibration,
+    batch_cache_file,
     batch_sizes,
     cache_file,
     calibrate,
@@ -22,6 +23,7 @@ __all__ = [
     "CostModel",
     "DrafterCost",
     "TargetCost",
+    "batch_cache_file",
     "batch_sizes",
     "cache_file",
     "calibrate",

@@ -1,10 +1,11 @@
 """Measuring the target's forward on this machine: T(M) for one request (`calibrate`: M = 1 .. max new tokens under
 each linear kernel of `metasd.models.linear_kernels`, the faster kept per M) and T(B, W) for batches of B rows of W
-tokens (`calibrate_batch`, B = 2, 4, ... max batch), both cached on disk per model, dtype, thread count, machine
-and linear kernels (`metasd calibrate` prints T(M)). A forward over B x W tokens costs about what one over B x W
-tokens of a single request costs where the machine is compute bound, and much less than B separate forwards where
-it is bound by reading the weights; which, and where the turn comes, differs by machine and dtype, so it is
-measured."""
+tokens (`calibrate_batch`, B = 2, 4, ... max batch), both cached on disk per model, dtype, thread count, machine and
+linear kernels (`metasd calibrate` prints them). A table measured while other processes kept the CPUs busy serves
+the run that measured it but is not cached (`quiet_since`): every later run would inherit its contention. A forward
+over B x W tokens costs about what one over B x W tokens of a single request costs where the machine is compute
+bound, and much less than B separate forwards where it is bound by reading the weights; which, and where the turn
+comes, differs by machine and dtype, so it is measured."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ..tree import DraftTree
 
 T = TypeVar("T")
 CONTEXT = 256  # tokens already in the cache when timing: a typical prompt, so attention is not free
+CONTENDED = 0.25  # other processes' share of the machine's CPU time above which a measured table is not cached
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,12 @@ def cache_file(key: dict) -> Path:
     return cache_dir() / "calibration" / f"{digest}.json"
 
 
+def batch_cache_file(key: dict) -> Path:
+    """Where the T(B, W) tables measured under `key` are cached: beside T(M)'s file."""
+    beside = cache_file(key)
+    return beside.with_name(beside.stem + "-batch.json")
+
+
 def _read(path: Path, key: dict, parse: Callable[[dict, dict], T]) -> T | None:
     """What `parse` makes of the calibration cached at `path` under `key` (from the file's data and the key), or
     None, with a warning when a file is there but unusable: corrupt, foreign, or malformed (`parse` raises)."""
@@ -146,6 +154,35 @@ def _batch_tables(data: dict, key: dict) -> dict[int, list[float]]:
     return {int(b): _times(table, key["max_tokens"]) for b, table in data["tables"].items()}
 
 
+def cpu_ticks() -> tuple[int, int, int] | None:
+    """(every CPU's ticks, the busy ones among them, this process's) since boot, from Linux's /proc (steal counts as
+    busy: another machine's work); None where they cannot be read."""
+    try:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # fields after the command's name
+        total = sum(values)
+        return total, total - values[3] - values[4], int(own[11]) + int(own[12])  # idle, iowait; utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def quiet_since(before: tuple[int, int, int] | None, what: str) -> bool:
+    """Whether other processes left the CPUs to this one since `before` (`cpu_ticks`): at most `CONTENDED` of the
+    machine's time was theirs. If not, a warning: the table just measured serves this run and is not cached."""
+    after = cpu_ticks()
+    if before is None or after is None or after[0] <= before[0]:
+        return True  # unknown: cached, as on a machine without /proc
+    others = max((after[1] - before[1]) - (after[2] - before[2]), 0) / (after[0] - before[0])
+    if others <= CONTENDED:
+        return True
+    warnings.warn(
+        f"other processes used {others:.0%} of the CPUs while {what} was measured: it serves this run and is not "
+        "cached; measure it on a quiet machine (metasd calibrate --refresh)",
+        stacklevel=3,
+    )
+    return False
+
+
 def _write(path: Path, data: dict) -> None:
     """A calibration cached whole or not at all; a read-only home still decodes, it only calibrates again next time."""
     try:
@@ -168,8 +205,10 @@ def load_or_calibrate(
     if found is not None:
         install(model, found.kernels)
         return found
+    before = cpu_ticks()
     found = calibrate(model, max_tokens, candidates=candidates)
-    _write(path, {"key": key, "table": found.table, "kernels": found.kernels})
+    if quiet_since(before, "T(M)"):
+        _write(path, {"key": key, "table": found.table, "kernels": found.kernels})
     return found
 
 
@@ -215,17 +254,27 @@ def calibrate_batch(model: torch.nn.Module, sizes: Sequence[int], max_width: int
 
 
 def load_or_calibrate_batch(
-    spec: str, model: torch.nn.Module, max_batch: int, max_width: int, candidates: Sequence[str] = KERNELS
+    spec: str,
+    model: torch.nn.Module,
+    max_batch: int,
+    max_width: int,
+    candidates: Sequence[str] = KERNELS,
+    refresh: bool = False,
 ) -> dict[int, list]:
     """The T(B, W) tables for `batch_sizes(max_batch)`, W = 1 .. max_width: from the disk cache (one file per model,
     machine, width range and kernel candidates, beside the T(M) calibration, a table per size), and measured now
-    for the sizes it lacks (a later, larger batch measures only its new sizes), which are then added to it."""
+    for the sizes it lacks (a later, larger batch measures only its new sizes), which are then added to it.
+    refresh: measure every size again (the sizes cached beyond them are kept)."""
     key, sizes = calibration_key(spec, model, max_width, candidates), batch_sizes(max_batch)
-    beside = cache_file(key)
-    path = beside.with_name(beside.stem + "-batch.json")
+    path = batch_cache_file(key)
     cached = _read(path, key, _batch_tables) or {}
+    if refresh:
+        cached = {b: t for b, t in cached.items() if b not in sizes}
     missing = [b for b in sizes if b not in cached]
     if missing:
-        cached.update(calibrate_batch(model, missing, max_width))
-        _write(path, {"key": key, "tables": {str(b): t for b, t in sorted(cached.items())}})
+        before = cpu_ticks()
+        measured = calibrate_batch(model, missing, max_width)
+        if quiet_since(before, "T(B, W)"):
+            _write(path, {"key": key, "tables": {str(b): t for b, t in sorted({**cached, **measured}.items())}})
+        cached.update(measured)
     return {b: cached[b] for b in sizes}
