@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from .cached_model import CachedModel, TargetCache, common_prefix, feature_layers_read_by
-from .costs import CostModel, TargetCost, load_or_calibrate, observe_round, reward_times
+from .costs import CostModel, TargetCost, load_or_calibrate, load_or_calibrate_batch, observe_round, reward_times
 from .draft import Draft, DraftJob
 from .drafters import DEFAULT_POOL, Drafter, default_pool, parse_drafters, pool_entry
 from .drafters.base import StoppableDrafter
@@ -191,18 +191,25 @@ class Decoder:
         """The policies kept across requests, by (policy, pool, regime), least recently used first (read-only)."""
         return MappingProxyType(self._policies)
 
-    def cost_model(self, max_tokens: int | None = None) -> CostModel:
-        """The machine's costs (T(M) calibrated on first use, from the disk cache when it has this model and
-        machine; refined by every round after). max_tokens: the largest M it must cover."""
+    def cost_model(self, max_tokens: int | None = None, max_batch: int = 1) -> CostModel:
+        """The machine's costs (calibrated on first use, from the disk cache when it has this model and machine;
+        refined by every round after). max_tokens: the largest M of T(M) it must cover; max_batch: the largest
+        batch whose T(B, W) it must hold (`metasd.batching`), over the same widths, so that extending M extends the
+        batch tables it holds too."""
         need = max(max_tokens or 0, self.draft_len + 1)
+        candidates = KERNEL_MODES[self.kernels]
         if self._costs is None or self._costs.target.max_tokens < need:
-            candidates = KERNEL_MODES[self.kernels]
             table = load_or_calibrate(self.target.spec, self.target.model, need, candidates=candidates).table
             if self._costs is None:
                 self._costs = CostModel(TargetCost(table))
             else:
                 self._costs.target = TargetCost(table)
-        return self._costs
+        costs, widths = self._costs, self._costs.target.max_tokens
+        batch = max([max_batch, *costs.rows])
+        if batch > 1 and not costs.covers(batch, widths):
+            tables = load_or_calibrate_batch(self.target.spec, self.target.model, batch, widths, candidates)
+            costs.add_batch_tables(tables, batch)
+        return costs
 
     def snapshot_policies(self) -> dict:
         """What the kept policies have learned, to `restore_policies` later (the benchmark measures a question

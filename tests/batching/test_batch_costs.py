@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import tiny_llama, tiny_vocab_llama
 from test_batch import _option
 
 from metasd.batching.decision import Plan, decide
@@ -145,3 +145,20 @@ def test_the_cpu_ticks_count_this_process_s_work():
     after = cpu_ticks()
     total, busy, own = (a - b for a, b in zip(after, before, strict=True))
     assert total >= busy >= 0 and own >= 20  # 0.3 s of this process's CPU time at 100 ticks a second
+
+
+def test_a_batch_prices_the_wider_drafts_its_decoder_is_extended_to(embedded, tmp_path, monkeypatch):
+    """`Decoder.cost_model(n)` between requests widens T(M); a batch built before it reads T(B, W) over as many
+    widths (else it would price every wider draft at its old widest width)."""
+    from metasd import Decoder
+    from metasd.batching.batch import Batch
+
+    monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
+    tiny_vocab_llama(tmp_path / "target", embedded.tokenizer, seed=0)
+    decoder = Decoder(target=str(tmp_path / "target"), drafters=["ngram"])
+    batch = Batch(decoder, max_batch=3)
+    widths = batch.costs.target.max_tokens
+    assert all(batch.costs.rows[b].max_tokens == widths for b in (2, 3))
+    assert decoder.cost_model(widths + 3) is batch.costs
+    assert batch.costs.target.max_tokens == widths + 3
+    assert all(batch.costs.rows[b].max_tokens == widths + 3 for b in (2, 3))

@@ -23,9 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..cached_model import feature_layers_read_by
-from ..costs import load_or_calibrate_batch
 from ..engine import OWN_CHOICE, Decoder, Generation
-from ..models.linear_kernels import KERNEL_MODES
 from ..policy import Policy
 from ..round import run_round
 from ..slots import BatchedTarget, check_batched_logits
@@ -70,12 +68,8 @@ class Batch:
             keep_features=bool(readers),
             feature_layers=feature_layers_read_by(readers),
         )
-        self.costs = decoder.cost_model()  # T(B, W) is the decoder's: later batches keep what rounds taught it
-        widths = self.costs.target.max_tokens
-        if not self.costs.covers(max_batch, widths):
-            model, candidates = decoder.target.model, KERNEL_MODES[decoder.kernels]
-            tables = load_or_calibrate_batch(decoder.target.spec, model, max_batch, widths, candidates)
-            self.costs.add_batch_tables(tables, max_batch)
+        self.costs = decoder.cost_model(max_batch=max_batch)  # T(B, W) is the decoder's: later batches keep what
+        # rounds taught it, and it follows the decoder's T(M) to wider drafts
         self.decision = BatchDecision(self.costs)
         self.requests: list[Generation] = []
         self.joining: list[Generation] = []  # requests whose prompts are not all in yet, in the order they joined
