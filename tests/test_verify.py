@@ -12,7 +12,7 @@ from helpers import chi2, chi2_bound
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from metasd.drafters.base import Draft
-from metasd.sampling import SamplingParams, probabilities
+from metasd.sampling import SamplingParams, draw, probabilities
 from metasd.tree import DraftTree
 from metasd.verify import Verdict, verify_greedy, verify_sampling, verify_tree_sampling
 
@@ -121,6 +121,31 @@ def test_probabilities_match_transformers_warpers(temperature, top_k, top_p):
     got = probabilities(logits, SamplingParams(temperature, top_k, top_p))
     assert torch.equal(got > 0, want > 0)  # the same support, token for token
     assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.0, 0.05])
+def test_a_nucleus_looked_for_among_the_likeliest_tokens_is_the_full_sorts(scale):
+    """Peaked rows find their nucleus among the first tokens looked at, flat ones only after growing to the whole
+    vocabulary; rows of both kinds in one batch: every row as transformers' full sort gives it."""
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(5, 20000, generator=gen) * torch.tensor([[scale], [scale], [0.05], [scale], [8.0]])
+    for top_p in (0.5, 0.9, 0.99):
+        scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(0.8)(None, logits.clone()))
+        want = torch.softmax(scores, dim=-1)
+        got = probabilities(logits, SamplingParams(0.8, 0, top_p))
+        assert torch.equal(got > 0, want > 0)
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_draw_follows_the_row_and_never_draws_a_token_without_mass():
+    row = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0]) * 0.999  # weights: they need not sum to exactly 1
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = Counter(draw(row, gen) for _ in range(n))
+    assert set(counts) == {1, 3, 4}
+    stat, df = chi2(counts, {1: 0.2, 3: 0.5, 4: 0.3}, n)
+    assert stat < chi2_bound(df)
+    assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), gen) == 2
 
 
 def test_tiny_temperatures_are_greedy_and_never_nan():

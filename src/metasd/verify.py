@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, draw, probabilities
 from .tree import DraftTree
 
 
@@ -68,8 +68,8 @@ def verify_sampling(
         total = float(residual.sum())
         # total == 0 only if p == q up to rounding, where a rejection has probability ~0: fall back to p
         row = residual / total if total > 0 else p[j]
-        return Verdict(j, int(torch.multinomial(row, 1, generator=generator)))
-    return Verdict(len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator)))
+        return Verdict(j, draw(row, generator))
+    return Verdict(len(draft), draw(p[len(draft)], generator))
 
 
 def verify_tree_greedy(target_logits: torch.Tensor, tree: DraftTree) -> Verdict:
@@ -103,7 +103,7 @@ def verify_tree_sampling(p: torch.Tensor, tree: DraftTree, generator: torch.Gene
             total = float(r.sum())
             r = r / total if total > 0 else p[node + 1]  # 0 only where r equalled q up to rounding
         else:
-            return Verdict(len(path), int(torch.multinomial(r, 1, generator=generator)), None, tuple(path))
+            return Verdict(len(path), draw(r, generator), None, tuple(path))
 
 
 def verify_round(

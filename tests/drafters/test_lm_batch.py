@@ -54,10 +54,14 @@ def test_forks_drafting_together_draft_what_each_drafts_alone(params):
             torch.testing.assert_close(many.q, one.q, atol=1e-5, rtol=1e-4)
             assert [t for t, _ in many.runners_up] == [t for t, _ in one.runners_up]
             assert many.taken_in == (len(c) if rounds == 0 else n)  # a new row takes in the whole context
-        # the next round: each context grew by a verified prefix of its draft and the target's token; its row holds
-        # the context and the first k - 1 draft tokens, so it takes in the rest of the prefix and the target's token
+        # the next round: each context grew by a verified prefix of its draft and the target's token (one that is
+        # not the draft's next, as a rejection gives); its row holds the context and the first k - 1 draft tokens,
+        # so it takes in the rest of the prefix and the target's token
         kept = [min(rounds % 2 + 1, k) for k in ks]
-        contexts = [c + d.tokens[:n] + [40 + i] for i, (c, d, n) in enumerate(zip(contexts, alone, kept, strict=True))]
+        contexts = [
+            c + d.tokens[:n] + [next(t for t in (40 + i, 50 + i) if d.tokens[n : n + 1] != [t])]
+            for i, (c, d, n) in enumerate(zip(contexts, alone, kept, strict=True))
+        ]
         unseen = [n + 1 - min(n, k - 1) for n, k in zip(kept, ks, strict=True)]
     assert drafter.slots.target.active == len(together) and drafter.slots.generation == 1  # rows kept, not remade
     for fork, context in zip(together, contexts, strict=True):  # a round of its own: from its row, as a fresh fork
