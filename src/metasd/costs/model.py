@@ -177,8 +177,8 @@ REGIMES = ("greedy", "sampled")
 class CostModel:
     """The machine's costs, shared by every request of a Decoder: T(B, W) (the target's forward alone; `target` is
     its B = 1 row, T(M)), drafters, and per decoding regime the per-round overhead that a plain target step pays
-    too: proposals, policy, bookkeeping, and the acceptance rule with its logits processing (sampling sorts the
-    vocabulary at every verified row; greedy takes an argmax)."""
+    too: proposals, policy, bookkeeping, and the acceptance rule with its logits processing (sampling filters
+    and draws at every verified row; greedy takes an argmax)."""
 
     def __init__(self, target: TargetCost):
         self.target = target  # T(1, W) = T(M), replaced when the decoder extends its range
