@@ -33,14 +33,17 @@ def _no_calibrations_left_behind(tmp_path_factory):
             path.unlink(missing_ok=True)
 
 
-@pytest.fixture(autouse=True)
-def _calibrations_cached_whatever_the_load(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def _calibrations_cached_whatever_the_load():
     """Tests share machines with other work, and whether other processes kept the CPUs busy while a test calibrated
     decides whether its table is cached (`costs.calibration.quiet_since`), which the caching tests do not check:
-    nothing counts as contention here (the tests of that rule set the threshold back themselves)."""
+    nothing counts as contention here, for every fixture's decoder too (the tests of that rule set the threshold
+    back themselves)."""
     import metasd.costs.calibration as calibration
 
-    monkeypatch.setattr(calibration, "CONTENDED", 1.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "CONTENDED", 1.0)
+        yield
 
 
 @pytest.fixture(scope="session")

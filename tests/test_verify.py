@@ -146,6 +146,10 @@ def test_draw_follows_the_row_and_never_draws_a_token_without_mass():
     stat, df = chi2(counts, {1: 0.2, 3: 0.5, 4: 0.3}, n)
     assert stat < chi2_bound(df)
     assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), gen) == 2
+    for bad in ([0.0, 0.0], [0.5, float("nan")], [0.5, -0.1, 0.6], [float("inf"), 1.0]):
+        with pytest.raises(ValueError, match="non-negative, finite weights"):
+            draw(torch.tensor(bad), gen)
+    assert probabilities(torch.zeros(0, 50), SamplingParams(0.8, 0, 0.9)).shape == (0, 50)
 
 
 def test_tiny_temperatures_are_greedy_and_never_nan():

@@ -196,20 +196,24 @@ class Decoder:
         refined by every round after). max_tokens: the largest M of T(M) it must cover; max_batch: the largest
         batch whose T(B, W) it must hold (`metasd.batching`), over the same widths, so that extending M extends the
         batch tables it holds too."""
+        spec, model, candidates = self.target.spec, self.target.model, KERNEL_MODES[self.kernels]
         need = max(max_tokens or 0, self.draft_len + 1)
-        candidates = KERNEL_MODES[self.kernels]
+        widths = need if self._costs is None else max(need, self._costs.target.max_tokens)
+        table = None
         if self._costs is None or self._costs.target.max_tokens < need:
-            table = load_or_calibrate(self.target.spec, self.target.model, need, candidates=candidates).table
-            if self._costs is None:
-                self._costs = CostModel(TargetCost(table))
-            else:
-                self._costs.target = TargetCost(table)
-        costs, widths = self._costs, self._costs.target.max_tokens
-        batch = max([max_batch, *costs.rows])
-        if batch > 1 and not costs.covers(batch, widths):
-            tables = load_or_calibrate_batch(self.target.spec, self.target.model, batch, widths, candidates)
-            costs.add_batch_tables(tables, batch)
-        return costs
+            table = load_or_calibrate(spec, model, need, candidates=candidates).table
+        batch = max([max_batch, *(self._costs.rows if self._costs is not None else ())])
+        tables = None
+        if batch > 1 and (self._costs is None or not self._costs.covers(batch, widths)):
+            tables = load_or_calibrate_batch(spec, model, batch, widths, candidates)
+        # both measured before either is kept: a calibration that raises leaves the model as it was
+        if self._costs is None:
+            self._costs = CostModel(TargetCost(table))
+        elif table is not None:
+            self._costs.target = TargetCost(table)
+        if tables is not None:
+            self._costs.add_batch_tables(tables, batch)
+        return self._costs
 
     def snapshot_policies(self) -> dict:
         """What the kept policies have learned, to `restore_policies` later (the benchmark measures a question
@@ -404,7 +408,7 @@ class Generation:
         state.draft, state.extension = continued_draft(
             pool, policy, arm, draft, self.context, state.room, params, self.eos_token_ids
         )
-        max_nodes = self.decoder.cost_model().target.max_tokens - 1
+        max_nodes = self.decoder.costs.target.max_tokens - 1  # (calibrated when the decoder was built)
         state.tree = draft_tree(policy, arm, state.draft, state.proposals, max_nodes)
 
     def accept(self, state: RoundState, logits: torch.Tensor, prefilled: bool, alone: bool) -> list[int]:

@@ -76,14 +76,19 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     The nucleus is looked for among the `NUCLEUS_FIRST` likeliest tokens (`torch.topk`), four times as many while
     some row's mass falls short, instead of sorting the whole vocabulary (tens of milliseconds a round on CPU for a
     49k vocabulary): the prefix sums of that sorted prefix are those of the full sort, so it is the same nucleus."""
+    if probs.numel() == 0:
+        return probs
     support = int((probs > 0).sum(-1).max())  # a top-k filter before leaves about k
     width = min(NUCLEUS_FIRST, support)
     while True:
-        top, order = torch.topk(probs, width, dim=-1)
+        whole = width == probs.shape[-1]
+        top, order = torch.sort(probs, dim=-1, descending=True) if whole else torch.topk(probs, width, dim=-1)
         mass = top.cumsum(-1)
         if width == support or bool((mass[..., -1] >= top_p).all()):
             break
         width = min(4 * width, support)
+        if 8 * width > probs.shape[-1]:  # a flat row: one sort beats growing further
+            width = support
     keep_sorted = mass - top < top_p  # the mass before each token, in descending order
     keep_sorted[..., 0] = True
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
@@ -95,10 +100,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a row of probabilities [V] (non-negative weights, their sum need not be exactly 1): the
     inverse of its cumulative distribution (float64) at one uniform draw. `torch.multinomial` draws an exponential
     per vocabulary entry for a single sample, about a millisecond over a 49k vocabulary on CPU."""
-    cdf = probs.detach().to("cpu", torch.float64).cumsum(-1)
+    row = probs.detach().to("cpu", torch.float64)
+    cdf = row.cumsum(-1)
+    if row.dim() != 1 or not 0 < float(cdf[-1]) < math.inf or float(row.min()) < 0:
+        raise ValueError("draw takes one row of non-negative, finite weights with a positive sum")
     u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
     index = int(torch.searchsorted(cdf, u, right=True))  # the first entry whose mass lies above u: never a zero
-    return index if index < len(cdf) else int(torch.nonzero(probs)[-1])  # u rounded up to the total
+    return index if index < len(cdf) else int(torch.nonzero(row)[-1])  # u rounded up to the total
 
 
 def pick(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -132,19 +132,24 @@ def test_a_table_measured_while_other_processes_held_the_cpus_serves_the_run_but
 
 
 def test_the_cpu_ticks_count_this_process_s_work():
+    import os
     import time
+    from pathlib import Path
 
     from metasd.costs.calibration import cpu_ticks
 
-    before = cpu_ticks()
-    if before is None:
+    if not Path("/proc/stat").is_file():
         pytest.skip("no /proc on this machine")
+    before = cpu_ticks()
     started = time.process_time()
     while time.process_time() - started < 0.3:
         pass
     after = cpu_ticks()
+    assert before is not None and after is not None
     total, busy, own = (a - b for a, b in zip(after, before, strict=True))
-    assert total >= busy >= 0 and own >= 20  # 0.3 s of this process's CPU time at 100 ticks a second
+    rate = os.sysconf("SC_CLK_TCK")
+    assert own >= 0.2 * rate  # 0.3 s of this process's CPU time
+    assert total >= busy >= 0.8 * own  # its CPUs were busy at least while it ran (idle counted as idle)
 
 
 def test_a_batch_prices_the_wider_drafts_its_decoder_is_extended_to(embedded, tmp_path, monkeypatch):

@@ -79,6 +79,24 @@ def test_calibrate_max_batch_prints_t_b_w_and_refresh_measures_it_again(capsys, 
     assert measured == [[2], [2]]  # the second run read the cache; --refresh measured again
 
 
+def test_calibrate_says_when_the_table_it_prints_was_not_cached(capsys, embedded, tmp_path, monkeypatch):
+    import metasd.costs.calibration as calibration
+    from metasd.models.linear_kernels import install, installed
+
+    monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "CONTENDED", 0.25)
+    ticks = iter([(1000, 600, 100), (2000, 1500, 400)])  # others held 60 % of the CPUs while it measured
+    monkeypatch.setattr(calibration, "cpu_ticks", lambda: next(ticks))
+    before = installed(embedded.model)
+    try:
+        with pytest.warns(UserWarning, match="is not cached"):
+            assert main(["calibrate", "--max-tokens", "2"]) == 0
+    finally:
+        if before is not None:
+            install(embedded.model, before)
+    assert "(this table is not in it: see the warning above)" in capsys.readouterr().out.splitlines()[0]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

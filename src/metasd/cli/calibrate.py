@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from .args import add_device_args, add_model_args, set_threads
 
@@ -40,8 +42,10 @@ def run(args: argparse.Namespace) -> None:
     found = load_or_calibrate(target.spec, target.model, args.max_tokens, refresh=args.refresh, candidates=candidates)
     table = found.table
     key = calibration_key(target.spec, target.model, args.max_tokens, candidates)
+    saved = _cached(cache_file(key)).get("table") == table
     print(
-        f"T(M) for {key['model']} ({key['dtype']}, {key['threads']} threads, {key['device']}); cache: {cache_file(key)}"
+        f"T(M) for {key['model']} ({key['dtype']}, {key['threads']} threads, {key['device']}); "
+        f"cache: {_where(cache_file(key), saved)}"
     )
     print(f"{'M':>4} {'ms':>9} {'T(M)/T(1)':>10}  linear kernel")
     for m, (t, kernel) in enumerate(zip(table, found.kernels, strict=True), 1):
@@ -50,7 +54,21 @@ def run(args: argparse.Namespace) -> None:
         tables = load_or_calibrate_batch(
             target.spec, target.model, args.max_batch, args.max_tokens, candidates, refresh=args.refresh
         )
-        print(f"T(B, W) in ms; cache: {batch_cache_file(key)}")
+        held = _cached(batch_cache_file(key)).get("tables", {})
+        saved = all(held.get(str(b)) == times for b, times in tables.items())
+        print(f"T(B, W) in ms; cache: {_where(batch_cache_file(key), saved)}")
         print(f"{'B':>4} " + " ".join(f"{f'W={w}':>7}" for w in range(1, args.max_tokens + 1)))
         for b, times in tables.items():
             print(f"{b:>4} " + " ".join(f"{t * 1000:>7.1f}" for t in times))
+
+
+def _cached(path: Path) -> dict:
+    """The calibration cached at `path`, or {}."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _where(path: Path, saved: bool) -> str:
+    return str(path) if saved else f"{path} (this table is not in it: see the warning above)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -33,6 +34,7 @@ from ..tree import DraftTree
 T = TypeVar("T")
 CONTEXT = 256  # tokens already in the cache when timing: a typical prompt, so attention is not free
 CONTENDED = 0.25  # other processes' share of the machine's CPU time above which a measured table is not cached
+MIN_WINDOW = 50  # ticks per CPU (half a second at Linux's usual 100 a second) a contention reading needs
 
 
 @dataclass(frozen=True)
@@ -155,24 +157,34 @@ def _batch_tables(data: dict, key: dict) -> dict[int, list[float]]:
 
 
 def cpu_ticks() -> tuple[int, int, int] | None:
-    """(every CPU's ticks, the busy ones among them, this process's) since boot, from Linux's /proc (steal counts as
-    busy: another machine's work); None where they cannot be read."""
+    """(ticks of the CPUs this process may run on, the busy ones among them, this process's own), counted since boot
+    and since the process started, from Linux's /proc (steal counts as busy: another machine's work); None where
+    they cannot be read. Only differences between two readings mean anything."""
     try:
-        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # fields after the command's name
-        total = sum(values)
-        return total, total - values[3] - values[4], int(own[11]) + int(own[12])  # idle, iowait; utime, stime
-    except (OSError, ValueError, IndexError):
+        allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        total = busy = 0
+        for line in Path("/proc/stat").read_text().splitlines()[1:]:
+            name, *fields = line.split()
+            if name in allowed:  # user nice system idle iowait irq softirq steal (guest time is within user)
+                values = [int(v) for v in fields[:8]]
+                total, busy = total + sum(values), busy + sum(values) - values[3] - values[4]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # the fields after the command's name
+        return (total, busy, int(own[11]) + int(own[12])) if total else None  # utime, stime: fields 14 and 15
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc, or no sched_getaffinity (not Linux)
         return None
 
 
 def quiet_since(before: tuple[int, int, int] | None, what: str) -> bool:
-    """Whether other processes left the CPUs to this one since `before` (`cpu_ticks`): at most `CONTENDED` of the
-    machine's time was theirs. If not, a warning: the table just measured serves this run and is not cached."""
+    """Whether other processes left this one's CPUs to it since `before` (`cpu_ticks`): at most `CONTENDED` of
+    their time was others'. If not, a warning: the table just measured serves this run and is not cached. A window
+    of under `MIN_WINDOW` ticks per CPU (a tiny model's calibration) says nothing either way: cached."""
     after = cpu_ticks()
-    if before is None or after is None or after[0] <= before[0]:
+    if before is None or after is None:
         return True  # unknown: cached, as on a machine without /proc
-    others = max((after[1] - before[1]) - (after[2] - before[2]), 0) / (after[0] - before[0])
+    total, busy, own = (a - b for a, b in zip(after, before, strict=True))
+    if total < MIN_WINDOW * len(os.sched_getaffinity(0)):
+        return True
+    others = max(busy - own, 0) / total
     if others <= CONTENDED:
         return True
     warnings.warn(
@@ -181,6 +193,11 @@ def quiet_since(before: tuple[int, int, int] | None, what: str) -> bool:
         stacklevel=3,
     )
     return False
+
+
+def _watch(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """`cpu_ticks` now, where the model computes on the CPU (another process's CPU time says nothing of a GPU's)."""
+    return cpu_ticks() if next(model.parameters()).device.type == "cpu" else None
 
 
 def _write(path: Path, data: dict) -> None:
@@ -205,7 +222,7 @@ def load_or_calibrate(
     if found is not None:
         install(model, found.kernels)
         return found
-    before = cpu_ticks()
+    before = _watch(model)
     found = calibrate(model, max_tokens, candidates=candidates)
     if quiet_since(before, "T(M)"):
         _write(path, {"key": key, "table": found.table, "kernels": found.kernels})
@@ -272,7 +289,7 @@ def load_or_calibrate_batch(
         cached = {b: t for b, t in cached.items() if b not in sizes}
     missing = [b for b in sizes if b not in cached]
     if missing:
-        before = cpu_ticks()
+        before = _watch(model)
         measured = calibrate_batch(model, missing, max_width)
         if quiet_since(before, "T(B, W)"):
             _write(path, {"key": key, "tables": {str(b): t for b, t in sorted({**cached, **measured}.items())}})
