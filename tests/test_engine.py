@@ -290,7 +290,7 @@ def test_only_construction_extends_the_calibrated_draft_range(embedded, monkeypa
     whose policy drafts longer than that is a ValueError, never a calibration in the middle of serving."""
     from types import SimpleNamespace
 
-    import metasd.engine
+    import metasd.costs.calibration
 
     calibrated = []
 
@@ -298,7 +298,7 @@ def test_only_construction_extends_the_calibrated_draft_range(embedded, monkeypa
         calibrated.append(max_tokens)
         return SimpleNamespace(table=[1e-3] * max_tokens)
 
-    monkeypatch.setattr(metasd.engine, "load_or_calibrate", fake_calibration)
+    monkeypatch.setattr(metasd.costs.calibration, "load_or_calibrate", fake_calibration)
     decoder = Decoder(drafters=["ngram", "suffix"], policy="metasd-adaptive:max=20")
     assert calibrated[-1] == 21 and decoder.cost_model().target.max_tokens == 21
     calibrated.clear()

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from .cached_model import CachedModel, TargetCache, common_prefix, feature_layers_read_by
-from .costs import CostModel, TargetCost, load_or_calibrate, load_or_calibrate_batch, observe_round, reward_times
+from .costs import CostModel, calibrated, observe_round, reward_times
 from .draft import Draft, DraftJob
 from .drafters import DEFAULT_POOL, Drafter, default_pool, parse_drafters, pool_entry
 from .drafters.base import StoppableDrafter
@@ -194,25 +194,10 @@ class Decoder:
     def cost_model(self, max_tokens: int | None = None, max_batch: int = 1) -> CostModel:
         """The machine's costs (calibrated on first use, from the disk cache when it has this model and machine;
         refined by every round after). max_tokens: the largest M of T(M) it must cover; max_batch: the largest
-        batch whose T(B, W) it must hold (`metasd.batching`), over the same widths, so that extending M extends the
-        batch tables it holds too."""
-        spec, model, candidates = self.target.spec, self.target.model, KERNEL_MODES[self.kernels]
+        batch whose T(B, W) it must hold (`metasd.batching`), over the same widths (`costs.calibrated`)."""
         need = max(max_tokens or 0, self.draft_len + 1)
-        widths = need if self._costs is None else max(need, self._costs.target.max_tokens)
-        table = None
-        if self._costs is None or self._costs.target.max_tokens < need:
-            table = load_or_calibrate(spec, model, need, candidates=candidates).table
-        batch = max([max_batch, *(self._costs.rows if self._costs is not None else ())])
-        tables = None
-        if batch > 1 and (self._costs is None or not self._costs.covers(batch, widths)):
-            tables = load_or_calibrate_batch(spec, model, batch, widths, candidates)
-        # both measured before either is kept: a calibration that raises leaves the model as it was
-        if self._costs is None:
-            self._costs = CostModel(TargetCost(table))
-        elif table is not None:
-            self._costs.target = TargetCost(table)
-        if tables is not None:
-            self._costs.add_batch_tables(tables, batch)
+        spec, model, candidates = self.target.spec, self.target.model, KERNEL_MODES[self.kernels]
+        self._costs = calibrated(self._costs, spec, model, need, max_batch, candidates)
         return self._costs
 
     def snapshot_policies(self) -> dict:

@@ -776,7 +776,7 @@ def test_a_request_never_calibrates_beyond_the_range_calibrated_at_start(server,
     """metasd-adaptive:max=K past what the server calibrated at start is a fast 400: a request must never
     recalibrate T(M) in the one decoding thread (seconds for everyone queued, kernels re-routed for all, the online
     T(M) estimates dropped). A shorter max is served without calibrating."""
-    import metasd.engine
+    import metasd.costs.calibration
     from metasd.policy.adaptive import DEFAULTS
 
     calibrated = []
@@ -785,7 +785,7 @@ def test_a_request_never_calibrates_beyond_the_range_calibrated_at_start(server,
         calibrated.append(max_tokens)
         raise AssertionError("a request calibrated T(M)")
 
-    monkeypatch.setattr(metasd.engine, "load_or_calibrate", no_calibration)
+    monkeypatch.setattr(metasd.costs.calibration, "load_or_calibrate", no_calibration)
     for policy in ("metasd-adaptive:max=64", f"metasd-adaptive:max={DEFAULTS['max'] + 1}"):
         body = {"prompt": "hi", "max_tokens": 2, "metasd_policy": policy}
         r, took = timed_post(server, "/v1/completions", json=body)

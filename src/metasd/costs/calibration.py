@@ -30,6 +30,7 @@ from ..models.embedded import cache_dir
 from ..models.linear_kernels import KERNELS, install
 from ..slots import BatchedTarget
 from ..tree import DraftTree
+from .model import CostModel, TargetCost
 
 T = TypeVar("T")
 CONTEXT = 256  # tokens already in the cache when timing: a typical prompt, so attention is not free
@@ -295,3 +296,32 @@ def load_or_calibrate_batch(
             _write(path, {"key": key, "tables": {str(b): t for b, t in sorted({**cached, **measured}.items())}})
         cached.update(measured)
     return {b: cached[b] for b in sizes}
+
+
+def calibrated(
+    costs: CostModel | None,
+    spec: str,
+    model: torch.nn.Module,
+    max_tokens: int,
+    max_batch: int = 1,
+    candidates: Sequence[str] = KERNELS,
+) -> CostModel:
+    """`costs` (a new model when None) covering T(M) for M = 1 .. max_tokens and T(B, W) for B up to max_batch and
+    every batch size it already holds, over the same widths, so that widening T(M) widens the tables a running
+    batch reads: what it lacks is read from the disk cache or measured, both tables before either is kept (a
+    calibration that raises leaves `costs` as it was)."""
+    widths = max_tokens if costs is None else max(max_tokens, costs.target.max_tokens)
+    table = None
+    if costs is None or costs.target.max_tokens < max_tokens:
+        table = load_or_calibrate(spec, model, max_tokens, candidates=candidates).table
+    batch = max([max_batch, *(costs.rows if costs is not None else ())])
+    tables = None
+    if batch > 1 and (costs is None or not costs.covers(batch, widths)):
+        tables = load_or_calibrate_batch(spec, model, batch, widths, candidates)
+    if costs is None:
+        costs = CostModel(TargetCost(table))
+    elif table is not None:
+        costs.target = TargetCost(table)
+    if tables is not None:
+        costs.add_batch_tables(tables, batch)
+    return costs
