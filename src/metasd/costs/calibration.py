@@ -291,10 +291,9 @@ def load_or_calibrate_batch(
     missing = [b for b in sizes if b not in cached]
     if missing:
         before = _watch(model)
-        measured = calibrate_batch(model, missing, max_width)
+        cached.update(calibrate_batch(model, missing, max_width))
         if quiet_since(before, "T(B, W)"):
-            _write(path, {"key": key, "tables": {str(b): t for b, t in sorted({**cached, **measured}.items())}})
-        cached.update(measured)
+            _write(path, {"key": key, "tables": {str(b): t for b, t in sorted(cached.items())}})
     return {b: cached[b] for b in sizes}
 
 
