@@ -233,6 +233,45 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_keep_decoding(decoder, 
         assert request.token_ids == alone[prompt]
 
 
+def test_prompts_outnumbering_the_decoding_requests_get_each_requests_part_of_a_step(decoder, monkeypatch):
+    """Joining prompts get `prefill_share` of a step, or each request's equal part where more of them wait than that
+    gives them: three long prompts joining one decoding request are given three quarters of a step, one prompt
+    joining three decoding requests the default half; a larger share sizes a larger next chunk from the same step."""
+    shares = []
+    original = Batch._timed
+
+    def timed(batch, seconds, share):
+        shares.append(share)
+        return original(batch, seconds, share)
+
+    monkeypatch.setattr(Batch, "_timed", timed)
+    long = ["Summarize this text in one sentence. " + " ".join(PROMPTS[i:] * 10) for i in range(4)]
+    batch = Batch(decoder, max_batch=4)
+    batch.join(decoder.stream(PROMPTS[0], max_new_tokens=30))
+    batch.step()
+    for prompt in long[:3]:
+        batch.join(decoder.stream(prompt, max_new_tokens=2))
+    batch.step()
+    assert shares == [0.75]
+    while len(batch):
+        batch.step()
+    for prompt in PROMPTS[:3]:
+        batch.join(decoder.stream(prompt, max_new_tokens=30))
+    batch.step()
+    batch.join(decoder.stream(long[3], max_new_tokens=2))
+    shares.clear()
+    batch.step()
+    assert shares == [0.5]
+
+    monkeypatch.setattr(batch.costs, "forward", lambda size, width: 0.03)  # a forward: 30 ms shared, then per token
+    sized = {}
+    for share in (0.5, 0.75):
+        batch._chunk, batch.target.last_forward = 32, (33, 0.09)
+        original(batch, 0.1, share)
+        sized[share] = batch._chunk
+    assert Batch.MIN_CHUNK <= sized[0.5] < sized[0.75]
+
+
 class _WideChunks(Batch):
     MIN_CHUNK = 256  # a step's prompt budget holds several short prompts
 

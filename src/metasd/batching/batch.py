@@ -45,7 +45,8 @@ class Batch:
     while the batch is not empty; a request that ends leaves by itself, `leave` takes one out early (cancelled,
     stopped by a stop string). The decoder's `generate` and `stream` must not run while a batch holds requests.
 
-    prefill_share: the share of a step's time that joining prompts get while other requests decode, in (0, 1]:
+    prefill_share: the share of a step's time that joining prompts get while other requests decode, in (0, 1]
+    (more where more prompts wait than decode, `_share`):
     a chunk then costs about share / (1 - share) rounds, so each decoding request waits about 1 / (1 - share)
     rounds between two of its rounds (2 at the default 0.5) and a prompt enters in about 1 / share of its
     prefill time; 1 prefills a joining prompt whole in one step."""
@@ -144,12 +145,13 @@ class Batch:
         if decoding:
             chunks = self._chunks() if self.prefill_share < 1 else []
             held, started = sum(len(r.target.tokens) for r, _ in chunks), time.perf_counter()
+            share = self._share(len(self.joining), len(decoding))
             decision = OWN_CHOICE if len(decoding) == 1 else self.decision
             prefill = [(r.target, tokens) for r, tokens in chunks if len(tokens) > len(r.target.tokens)]
             out += zip(decoding, run_round(decoding, self.target, decision, prefill=prefill), strict=True)
             self._count(len(decoding), decoding)
             if sum(len(tokens) for _, tokens in chunks) - held == self._chunk:  # the whole budget: time it
-                self._timed(time.perf_counter() - started)
+                self._timed(time.perf_counter() - started, share)
             for joiner, tokens in chunks:
                 if len(tokens) == len(joiner.context) - 1:
                     self.joining.remove(joiner)
@@ -177,8 +179,15 @@ class Batch:
             budget -= goal - have
         return out
 
-    def _timed(self, step_seconds: float) -> None:
-        """The next chunk's length from this step's: a chunk should take `prefill_share` of a step. The forward's
+    def _share(self, joining: int, decoding: int) -> float:
+        """The share of a step that `joining` prompts get beside `decoding` requests: `prefill_share`, or each
+        request's equal part where more requests wait for their prompts than that gives them (joining / (joining +
+        decoding): seven prompts arriving while one request decodes enter at seven eighths of the steps, not at the
+        pace of one)."""
+        return max(self.prefill_share, joining / max(joining + decoding, 1))
+
+    def _timed(self, step_seconds: float, share: float) -> None:
+        """The next chunk's length from this step's: a chunk should take `share` of a step (`_share`). The forward's
         time is a pass over the weights, T(1) (`costs`), shared by every row, plus about the same time for each
         position it computed (`last_forward`: the rows' tokens, and the padding where it was padded); the chunk's
         time is its tokens' part, the rest of the step is what the decoding
@@ -187,7 +196,7 @@ class Batch:
         least `MIN_CHUNK` tokens (every prompt gets in) and at most `PREFILL_CHUNK`."""
         tokens, seconds = self.target.last_forward
         took = max(seconds - self.costs.forward(1, 1), 0.0) * self._chunk / max(tokens, 1)
-        allowed = max(step_seconds - took, 0.0) * self.prefill_share / (1 - self.prefill_share)
+        allowed = max(step_seconds - took, 0.0) * share / (1 - share)
         scaled = self._chunk * min(max(allowed / max(took, 1e-6), 0.5), 1.5)
         self._chunk = max(self.MIN_CHUNK, min(int(scaled), self.target.PREFILL_CHUNK))
 

@@ -51,8 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--prefill-share",
         type=float,
         default=DEFAULT_PREFILL_SHARE,
-        help="share of a round's time a joining prompt gets while others decode, in (0, 1]: its chunk rides in the "
-        "round's forward, so the others wait about 1 / (1 - share) rounds between theirs; 1: a prompt enters whole, "
+        help="share of a round's time joining prompts get while others decode, in (0, 1] (more where more prompts "
+        "wait than decode: each request an equal part): its chunk rides in the round's forward, so the others wait "
+        "about 1 / (1 - share) rounds between theirs; 1: a prompt enters whole, "
         "the others waiting for it (default: %(default)s)",
     )
     add_policy_scope_arg(srv, "it keeps learning across requests")

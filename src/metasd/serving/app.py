@@ -25,6 +25,7 @@ from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_SHARE
 from ..drafters.suffix import SHARED as SHARED_HISTORY
 from ..engine import Decoder
 from ..learning import HeadLearner, LearningConfig, learn_heads
+from ..openmp import release_openmp_threads
 from .metrics import _Metrics
 from .protocol import (
     HISTORY_SCOPES,
@@ -90,6 +91,7 @@ def create_app(
     app.add_exception_handler(Exception, _bug)
     app.include_router(probes)
     app.include_router(v1)
+    release_openmp_threads()  # the caller built the models; the decoding thread should be the only OpenMP team
     return app
 
 
