@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from ..draft import Draft
+from ..models.attention import ATTENTION
 from ..models.embedded import cache_dir
 from ..models.linear_kernels import KERNELS, install
 from ..slots import BatchedTarget
@@ -106,6 +107,7 @@ def calibration_key(spec: str, model: torch.nn.Module, max_tokens: int, candidat
         "context": CONTEXT,
         "max_tokens": max_tokens,
         "kernels": list(candidates),
+        "attention": ATTENTION,
     }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from . import attention  # noqa: F401  (registers the `sdpa` attention every model reads: grouped queries on a CPU)
 from .embedded import embedded_path
 
 EMBEDDED = "embedded"
