@@ -5,8 +5,8 @@ region its own team of helper threads and keeps that team until the thread exits
 the CPUs, libgomp cuts the spin-wait at its barriers from about 300,000 iterations to 100 (`do_spin` in libgomp's
 `config/linux/wait.h`: `gomp_managed_threads > gomp_available_cpus`), so every parallel region ends in futex
 sleeps and wake-ups. A server's decoding thread (`metasd.serving`) is exactly that second team: the thread that
-loaded and calibrated the models keeps its own, idle, for the life of the process, and decoding on the small matrices
-of a speculative round slows by about a third (docs/results/2026-12-07-openmp-teams.md). `release_openmp_threads`,
+loaded and calibrated the models keeps its own, idle, for the life of the process, and the small matrices of a
+speculative round pay those wake-ups in every layer (docs/results/2026-12-07-openmp-teams.md). `release_openmp_threads`,
 called on the thread that did that work before it hands the models over, ends its team (OpenMP 5.0's
 `omp_pause_resource_all`); the thread gets a new team if it runs a parallel region again.
 """
