@@ -60,7 +60,5 @@ for label, lengths in CONTEXTS.items():
             ms, same = run(lengths, widths, pack)
             ratio = ms["metasd"] / ms["transformers"]
             kind = "packed" if pack else "padded"
-            print(
-                f"| {label} | {widths} | {kind} | {ms['transformers']:.1f} | {ms['metasd']:.1f} | {ratio:.2f} | {same} |",
-                flush=True,
-            )
+            cells = [label, widths, kind, f"{ms['transformers']:.1f}", f"{ms['metasd']:.1f}", f"{ratio:.2f}", str(same)]
+            print("| " + " | ".join(cells) + " |", flush=True)
