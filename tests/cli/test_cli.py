@@ -129,18 +129,20 @@ def test_malformed_prompt_file(capsys, tmp_path):
 
 
 def test_calibrate_prints_the_table_and_the_kernel_of_each_m(capsys, embedded):
-    from metasd.models.linear_kernels import KERNELS, install, installed
+    from metasd.models.linear_kernels import KERNELS, install, installed, installed_beyond
 
-    before = installed(embedded.model)
+    before, beyond = installed(embedded.model), installed_beyond(embedded.model)
     try:
         for mode, allowed in (("torch", {"linear"}), ("auto", set(KERNELS))):
             assert main(["calibrate", "--max-tokens", "3", "--kernels", mode]) == 0
-            rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+            lines = capsys.readouterr().out.splitlines()
+            rows = [line.split() for line in lines[2:5]]
             assert [int(r[0]) for r in rows] == [1, 2, 3]
             assert all(float(r[1]) > 0 for r in rows) and {r[3] for r in rows} <= allowed
+            assert lines[5].startswith("more than 3 tokens") and lines[5].rsplit(" ", 1)[1] in allowed
     finally:
         if before is not None:
-            install(embedded.model, before)
+            install(embedded.model, before, beyond)
 
 
 @pytest.mark.parametrize(

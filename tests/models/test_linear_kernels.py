@@ -8,7 +8,9 @@ import torch
 from helpers import greedy_reference, tiny_llama
 
 from metasd import Decoder
-from metasd.models.linear_kernels import KERNELS, RoutedLinear, install, installed
+from metasd.models.linear_kernels import KERNELS, ONEDNN, RoutedLinear, install, installed, installed_beyond
+
+needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN linear op")
 
 
 def seeded_llama():
@@ -33,6 +35,43 @@ def test_weight_major_matches_torch_linear_with_and_without_bias(rows):
         torch.testing.assert_close(layer(x.repeat(2, 1, 1)), expected.repeat(2, 1, 1), rtol=1e-5, atol=1e-6)
 
 
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_matches_torch_linear_with_and_without_bias(dtype):
+    torch.manual_seed(0)
+    for bias in (True, False):
+        layer = torch.nn.Linear(24, 40, bias=bias).to(dtype)
+        install(torch.nn.Sequential(layer), ["onednn"] * 4, beyond="onednn")
+        for shape in ((1, 24), (3, 24), (2, 5, 24), (1, 64, 24)):  # routed rows and rows beyond the table
+            x = torch.randn(*shape, dtype=dtype)
+            with torch.inference_mode():
+                got = layer(x)
+            tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), **tol)
+            assert got.shape == (*shape[:-1], 40)
+
+
+@needs_onednn
+def test_onednn_follows_a_written_weight_and_leaves_training_to_autograd():
+    """The reordered copy is made again when the weight changes (a learner updating a head in place), and a
+    product that autograd records runs torch's own op (oneDNN's has no backward)."""
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(8, 6)
+    install(torch.nn.Sequential(layer), ["onednn"] * 4)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.add_(1.0)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert not torch.allclose(layer(x), before)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    with torch.inference_mode():  # weights made under inference mode count no writes, and still compute
+        made = torch.nn.Linear(8, 6)
+        install(torch.nn.Sequential(made), ["onednn"] * 4)
+        torch.testing.assert_close(made(x), torch.nn.functional.linear(x, made.weight, made.bias))
+
+
 def test_install_routes_by_row_count_and_leaves_longer_inputs_to_torch(monkeypatch):
     model = seeded_llama()
     install(model, ["linear", "weight-major"])
@@ -49,21 +88,29 @@ def test_install_routes_by_row_count_and_leaves_longer_inputs_to_torch(monkeypat
             assert bool(calls) == (rows == 2), rows  # M = 2 weight-major; M = 1 and M beyond the table: torch's
     with pytest.raises(ValueError, match="unknown linear kernels"):
         install(model, ["linear", "mkl"])
+    install(model, ["linear"], beyond="weight-major")  # a prefill's rows take the kernel chosen for them
+    with torch.inference_mode():
+        calls.clear()
+        model(input_ids=torch.arange(5)[None])
+        assert calls and not any(shape[-2] == 1 for shape in calls)
 
 
-def test_a_copied_model_computes_with_its_own_weights():
-    """A routed layer must not keep pointing at the original's weights once copied (distillation copies layers)."""
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_a_copied_model_computes_with_its_own_weights(kernel):
+    """A routed layer must not keep pointing at the original's weights once copied (distillation copies layers),
+    nor at the original's oneDNN copy of them (which is made again on use, as it cannot be copied)."""
     model = seeded_llama()
-    install(model, ["weight-major"] * 4)
-    clone = copy.deepcopy(model)
+    install(model, [kernel] * 4, beyond=kernel)
     ids = torch.arange(3)[None]
     with torch.inference_mode():
-        before = model(input_ids=ids).logits
+        before = model(input_ids=ids).logits  # the oneDNN copies exist from here on
+    clone = copy.deepcopy(model)
+    with torch.inference_mode():
         for p in clone.parameters():
             p.add_(0.5)
         assert torch.equal(model(input_ids=ids).logits, before)
         assert not torch.allclose(clone(input_ids=ids).logits, before)
-    assert installed(clone) == ["weight-major"] * 4
+    assert installed(clone) == [kernel] * 4
 
 
 def test_quantized_or_other_linear_subclasses_keep_their_forward():
@@ -75,15 +122,16 @@ def test_quantized_or_other_linear_subclasses_keep_their_forward():
     assert type(holder[0]) is Custom and type(holder[1]) is RoutedLinear
 
 
-def test_decoding_on_the_weight_major_kernel_is_lossless(embedded, questions_path):
-    """Whatever this machine's calibration chose, run every M on the kernel that is not torch's own, and check
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_decoding_on_each_kernel_is_lossless(embedded, questions_path, kernel):
+    """Whatever this machine's calibration chose, run every M on each kernel that is not torch's own, and check
     speculative decoding against the target's own greedy output computed on the same layers."""
     decoder = Decoder(drafters=["ngram", "lm:embedded:unquantized"], policy="fixed:ngram", draft_len=6)
-    chosen = installed(decoder.target.model)
+    chosen, beyond = installed(decoder.target.model), installed_beyond(decoder.target.model)
     assert chosen is not None and set(chosen) <= set(KERNELS)  # the decoder calibrated and routed its target
     questions = [json.loads(line) for line in questions_path.read_text().splitlines()]
     try:
-        install(decoder.target.model, ["weight-major"] * 16)
+        install(decoder.target.model, [kernel] * 16, beyond=kernel)
         for category in ("summarization", "coding", "math_reasoning"):
             ids = decoder.encode(next(q for q in questions if q["category"] == category)["turns"][0])
             reference = greedy_reference(decoder.target.model, ids, 24)
@@ -91,7 +139,7 @@ def test_decoding_on_the_weight_major_kernel_is_lossless(embedded, questions_pat
                 got = decoder.generate(ids, max_new_tokens=24, policy=policy)
                 assert got.token_ids == reference, (category, policy)
     finally:
-        install(decoder.target.model, chosen)
+        install(decoder.target.model, chosen, beyond)
 
 
 def test_torch_mode_keeps_torch_linear_everywhere(embedded):

@@ -11,7 +11,7 @@ from helpers import tiny_llama
 
 from metasd import Decoder, Draft
 from metasd.costs import CostModel, DrafterCost, TargetCost, cache_file, calibration_key, load_or_calibrate
-from metasd.models.linear_kernels import KERNELS, install, installed
+from metasd.models.linear_kernels import KERNELS, install, installed, installed_beyond
 from metasd.outcome import Extension, RoundOutcome
 from metasd.policy import build_policy, canonical_policy
 from metasd.policy.acceptance import SIGNAL_LEVELS, AcceptanceModel, expected_tokens, signal_levels
@@ -557,12 +557,14 @@ def test_calibration_cache_round_trip_and_corrupt_or_foreign_files(tiny_model, t
     install(tiny_model, ["linear"] * 4)
     assert load_or_calibrate("tiny", tiny_model, 4) == found  # read back, not measured again
     assert installed(tiny_model) == found.kernels  # and its kernels installed again
-    good = {"key": key, "table": found.table, "kernels": found.kernels}
+    assert found.beyond in KERNELS and installed_beyond(tiny_model) == found.beyond
+    good = {"key": key, "table": found.table, "kernels": found.kernels, "beyond": found.beyond}
     for content in (
         "{not json",
         json.dumps({**good, "key": {**key, "threads": 999}}),
         json.dumps({**good, "table": [1.0, -2.0, 3.0, 4.0]}),
         json.dumps({**good, "kernels": ["linear", "fancy", "linear", "linear"]}),
+        json.dumps({**good, "beyond": "fancy"}),
         json.dumps({"key": key, "table": found.table}),
     ):
         path.write_text(content)

@@ -369,6 +369,8 @@ def _target_cost(summary: dict) -> list[str]:
         if cost.get("linear_kernels"):
             rows.append(["kernel", *cost["linear_kernels"][: len(cal)]])
         out += _table(["M", *map(str, range(1, len(cal) + 1))], rows)
+        if cost.get("prefill_kernel"):
+            out += ["", f"Longer inputs (prefills, wide batches) on `{cost['prefill_kernel']}`."]
     return out
 
 

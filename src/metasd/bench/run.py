@@ -146,13 +146,14 @@ def _run_config(
 
 def _target_cost(decoder) -> dict:
     """The target's T(M) in ms, as calibrated and at the end of the run, and the linear kernel chosen per M."""
-    from ..models.linear_kernels import installed
+    from ..models.linear_kernels import installed, installed_beyond
 
     target_cost = decoder.costs.target
     return {
         "calibrated": [round(t * 1e3, 3) for t in target_cost.calibrated],
         "end_of_run": [round(t * 1e3, 3) for t in target_cost.table()],
         "linear_kernels": installed(decoder.target.model),
+        "prefill_kernel": installed_beyond(decoder.target.model),
     }
 
 

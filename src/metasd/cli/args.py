@@ -39,8 +39,9 @@ def add_model_args(
         "--kernels",
         default="auto",
         choices=["auto", "torch"],
-        help="the target's linear layers: auto routes each draft length to the faster of two matmul "
-        "layouts, as calibrated on this machine; torch keeps F.linear (default: %(default)s)",
+        help="the target's linear layers: auto routes each draft length, and longer inputs, to the fastest of "
+        "torch's F.linear, a weight-major layout and oneDNN on reordered weights, as calibrated on this machine; "
+        "torch keeps F.linear (default: %(default)s)",
     )
 
 

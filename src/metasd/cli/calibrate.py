@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"{'M':>4} {'ms':>9} {'T(M)/T(1)':>10}  linear kernel")
     for m, (t, kernel) in enumerate(zip(table, found.kernels, strict=True), 1):
         print(f"{m:>4} {t * 1000:>9.2f} {t / table[0]:>10.2f}  {kernel}")
+    print(f"more than {len(table)} tokens (prefills, wide batches): {found.beyond}")
     if args.max_batch > 1:
         tables = load_or_calibrate_batch(
             target.spec, target.model, args.max_batch, args.max_tokens, candidates, refresh=args.refresh

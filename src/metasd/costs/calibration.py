@@ -36,15 +36,18 @@ from .model import CostModel, TargetCost
 T = TypeVar("T")
 CONTEXT = 256  # tokens already in the cache when timing: a typical prompt, so attention is not free
 CONTENDED = 0.25  # other processes' share of the machine's CPU time above which a measured table is not cached
+PREFILL_REPS = 2  # timed prefills of CONTEXT tokens per kernel: each costs as much as tens of short forwards
 MIN_WINDOW = 50  # ticks per CPU (half a second at Linux's usual 100 a second) a contention reading needs
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """T(M) in seconds for M = 1 .. len(table), and the linear kernel (`linear_kernels`) each M was fastest under."""
+    """T(M) in seconds for M = 1 .. len(table), the linear kernel (`linear_kernels`) each M was fastest under, and
+    the one a prefill of CONTEXT tokens was fastest under (`beyond`: every longer input's)."""
 
     table: list[float]
     kernels: list[str]
+    beyond: str
 
 
 @torch.inference_mode()
@@ -52,7 +55,8 @@ def calibrate(
     model: torch.nn.Module, max_tokens: int, context: int = CONTEXT, reps: int = 5, candidates: Sequence[str] = KERNELS
 ) -> Calibration:
     """Median seconds of a cached forward over M new tokens after `context` cached tokens, M = 1 .. max_tokens,
-    under each candidate linear kernel; the faster kernel per M is installed on `model` and its time kept.
+    under each candidate linear kernel; the faster kernel per M is installed on `model` and its time kept, and
+    the kernel under which the prefill of the `context` tokens was fastest routes every input past max_tokens.
 
     The (M, kernel) pairs are interleaved within each repetition, so a slow spell of the machine hits all alike.
     """
@@ -60,13 +64,23 @@ def calibrate(
     gen = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (1, context + max_tokens), generator=gen).to(device)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    prefills: dict[str, list[float]] = {kernel: [] for kernel in candidates}
+    for rep in range(PREFILL_REPS + 1):  # the first pass warms up
+        for kernel in candidates:
+            install(model, [kernel] * max_tokens, beyond=kernel, keep=True)
+            cache = DynamicCache(config=model.config)
+            start = time.perf_counter()
+            model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if rep:
+                prefills[kernel].append(time.perf_counter() - start)
+    beyond = min(candidates, key=lambda k: statistics.median(prefills[k]))
     times = {kernel: [[] for _ in range(max_tokens)] for kernel in candidates}
     for rep in range(reps + 1):  # the first pass warms up
         for m in range(1, max_tokens + 1):
             for kernel in candidates:
-                install(model, [kernel] * max_tokens)
+                install(model, [kernel] * max_tokens, beyond=beyond, keep=True)
                 start = time.perf_counter()
                 model(input_ids=ids[:, context : context + m], cache=cache, use_cache=True, logits_to_keep=m)
                 if device.type == "cuda":
@@ -77,8 +91,8 @@ def calibrate(
                     times[kernel][m - 1].append(elapsed)
     medians = {kernel: [statistics.median(t) for t in per_m] for kernel, per_m in times.items()}
     kernels = [min(candidates, key=lambda k, i=i: medians[k][i]) for i in range(max_tokens)]
-    install(model, kernels)
-    return Calibration([medians[k][i] for i, k in enumerate(kernels)], kernels)
+    install(model, kernels, beyond)
+    return Calibration([medians[k][i] for i, k in enumerate(kernels)], kernels, beyond)
 
 
 def _cpu_name() -> str:
@@ -149,9 +163,10 @@ def _times(table: Sequence, width: int) -> list[float]:
 def _calibration(data: dict, key: dict) -> Calibration:
     """A cached T(M) calibration: its table and the kernel chosen per M."""
     table, kernels = _times(data["table"], key["max_tokens"]), [str(k) for k in data["kernels"]]
-    if len(kernels) != len(table) or not set(kernels) <= set(key["kernels"]):
+    beyond = str(data.get("beyond", KERNELS[0]))  # tables cached before it was measured routed them to torch's own
+    if len(kernels) != len(table) or not {*kernels, beyond} <= set(key["kernels"]):
         raise ValueError("its kernels are malformed")
-    return Calibration(table, kernels)
+    return Calibration(table, kernels, beyond)
 
 
 def _batch_tables(data: dict, key: dict) -> dict[int, list[float]]:
@@ -223,12 +238,12 @@ def load_or_calibrate(
     path = cache_file(key)
     found = None if refresh else _read(path, key, _calibration)
     if found is not None:
-        install(model, found.kernels)
+        install(model, found.kernels, found.beyond)
         return found
     before = _watch(model)
     found = calibrate(model, max_tokens, candidates=candidates)
     if quiet_since(before, "T(M)"):
-        _write(path, {"key": key, "table": found.table, "kernels": found.kernels})
+        _write(path, {"key": key, "table": found.table, "kernels": found.kernels, "beyond": found.beyond})
     return found
 
 

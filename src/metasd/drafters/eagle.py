@@ -8,7 +8,7 @@ while their tokens match the context, entries from drafted (predicted) features 
 so it cannot drift. It draws from q and sends q (zero outside the draft vocabulary): sampling stays exact.
 
 A draft step (one row through the head and the draft vocabulary's readout) is bound by memory bandwidth, so it
-takes whichever of torch's kernel, the weight-major layout (`models/linear_kernels.py`) and int8 weights
+takes whichever of the float kernels (`models/linear_kernels.py`: torch's, weight-major, oneDNN) and int8 weights
 (`models/int8_weights.py`, a quarter of float32's bytes) a one-row step measures faster here (`weights="auto"`);
 the catch-up, whose entries stay in the cache, always runs on the float weights. q comes from the weights that
 drew the draft: int8 changes which tokens are drafted, never the target's output or its distribution.
@@ -136,7 +136,7 @@ class EagleDrafter(AutoregressiveDrafter):
         for rep in range(reps + 1):
             for name, layers in candidates.items():
                 if layers is floats:
-                    install(floats, [name.partition(", ")[2]])
+                    install(floats, [name.partition(", ")[2]], keep=True)  # oneDNN's copies made once, not timed
                 elapsed = step_seconds(layers)
                 if rep:  # the first pass warms up
                     times[name].append(elapsed)
