@@ -363,9 +363,24 @@ def test_the_decision_drafts_for_everyone_on_a_flat_t_and_stops_as_t_grows():
     def growing(size: int) -> list[float]:  # each token in the forward costs the same: T ~ B x W
         return [0.01 + 0.004 * size * w for w in range(1, 8)]
 
-    drafted = {size: sum(k for _, k in decide(plans[:size], growing(size)).choices) for size in (1, 2, 4, 8)}
-    assert drafted[1] > 0 and drafted[8] == 0  # alone it drafts; a full batch takes plain steps
-    assert drafted[1] >= drafted[2] >= drafted[4] >= drafted[8]
+    longest = {size: max(k for _, k in decide(plans[:size], growing(size)).choices) for size in (1, 2, 4, 8)}
+    assert longest[1] > 0 and longest[8] == 0  # alone it drafts; a full batch takes plain steps
+    assert longest[1] >= longest[2] >= longest[4] >= longest[8]
+
+
+def test_the_decision_drafts_for_everyone_where_no_single_request_could_pay_for_the_wider_forward():
+    """Widening the forward costs every row: here one request drafting alone would pay the whole widening for its
+    own expected half token, which does not pay, while all eight drafting share it, which does (the shape of the
+    embedded model's T(8, W) on a CPU). The decision must find the batch's best, not stop at nobody drafting."""
+    times = [0.0708, 0.0773, 0.1094, 0.1084]
+    plans = [Plan([_option(0, 0.47, m=3, step=0.002)]) for _ in range(8)]
+    plain = 8 / times[0]
+    one = (7 + 1.47) / (times[1] + 0.002)
+    assert one < plain  # no single request's draft pays
+    decision = decide(plans, times)
+    assert decision.choices == [(0, 1)] * 8 and decision.width == 2
+    assert decision.rate == pytest.approx(8 * 1.47 / (times[1] + 8 * 0.002))
+    assert decision.rate > plain
 
 
 def test_the_decision_keeps_fixed_choices_and_prices_drafting_time():

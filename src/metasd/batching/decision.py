@@ -4,13 +4,15 @@ A batch round yields sum_i E_i tokens (E_i = 1 + the expected accepted tokens of
 sum_i D_i seconds: one target forward over B rows padded to the widest row W = 1 + max_i k_i (`CostModel.forward`,
 measured), plus every request's drafting (forks of one EAGLE head draft together, each charged its own catch-up and
 its share of the steps: `round.drafts_together`). Each request's policy offers its options
-(`AdaptivePolicy.options`: expected tokens and drafting time per drafter and length); coordinate ascent then gives
-each request in turn its best option given the others' (k = 0 always among them) until no request changes, which
-maximises the batch's rate locally and ends because the rate only grows. With a flat T every request drafts as it
-would alone; with T growing in B x W, one request's longer draft widens every row, and drafting fades as the batch
-fills, then returns as it empties, without thresholds. A request changes its choice only for a strictly better batch
-rate, so the decision does not flip between equal options round after round. Policies without options (the paper's
-bandits) keep their own (drafter, k), which only sets the width they need."""
+(`AdaptivePolicy.options`: expected tokens and drafting time per drafter and length). The forward's cost depends on
+the choices only through W, so for each width W the best choices with every k < W are found exactly: the rate
+sum E / (T(B, W) + sum D) is a ratio of sums, which Dinkelbach's method maximises by letting each request maximise
+E_i - rate x D_i on its own, the rate updated until it stops growing (a few passes). The best width wins. Searching
+widths rather than improving one request at a time matters: the first request to draft pays the whole widening of
+every row, so from "nobody drafts" no single request's change pays even where everyone drafting does. With a flat T
+every request drafts as it would alone; with T growing in B x W drafting fades as the batch fills, then returns as
+it empties, without thresholds. Ties go to the plain step and the shorter draft, so equal options do not flip round
+after round. Policies without options (the paper's bandits) keep their own (drafter, k), which only bounds W."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ..costs import CostModel
 from ..policy.adaptive import Option
 from ..round import RoundRequest, RoundState
 
-_SWEEPS = 8  # coordinate-ascent passes at most; two or three settle it in practice
+_PASSES = 16  # Dinkelbach passes per width at most; each raises the rate, and three or four settle it in practice
 
 
 @dataclass(frozen=True)
@@ -46,51 +48,56 @@ class Decision:
 def decide(plans: Sequence[Plan], round_seconds: Sequence[float]) -> Decision:
     """round_seconds[w - 1]: T(B, w) for this batch's size B, w = 1 .. the widest row allowed."""
     times = np.asarray(round_seconds, dtype=float)
-    n = len(plans)
-    arm: list[int | None] = [None] * n
-    k = [0] * n
-    gain, draft = np.ones(n), np.zeros(n)
-    expected_gain, expected_draft = np.ones(n), np.zeros(n)
-    for i, plan in enumerate(plans):
-        if plan.fixed is not None:
-            arm[i], k[i] = plan.fixed
-    for _ in range(_SWEEPS):
-        changed = False
-        for i, plan in enumerate(plans):
-            if plan.fixed is not None:
-                continue
-            width = max((k[j] + 1 for j in range(n) if j != i), default=1)
-            others_gain, others_draft = gain.sum() - gain[i], draft.sum() - draft[i]
-            current = (others_gain + gain[i]) / (times[max(width, k[i] + 1) - 1] + others_draft + draft[i])
-            best = (current, arm[i], k[i], None)
-            plain = (others_gain + 1.0) / (times[width - 1] + others_draft)
-            if plain > best[0] * (1 + 1e-9):
-                best = (plain, None, 0, None)
-            for option in plan.options:
-                m = min(len(option.gain) - 1, len(times) - 1)
-                if m < 1:
-                    continue
-                ks = np.arange(1, m + 1)
-                rates = (others_gain + option.gain[1 : m + 1]) / (
-                    times[np.maximum(width, ks + 1) - 1] + others_draft + option.draft[1 : m + 1]
-                )
-                j = int(np.argmax(rates))
-                if rates[j] > best[0] * (1 + 1e-9):
-                    best = (float(rates[j]), option.arm, j + 1, option)
-            if (best[1], best[2]) != (arm[i], k[i]):
-                changed = True
-                arm[i], k[i] = best[1], best[2]
-                option = best[3]
-                if option is None:
-                    gain[i], draft[i], expected_gain[i], expected_draft[i] = 1.0, 0.0, 1.0, 0.0
-                else:
-                    gain[i], draft[i] = option.gain[k[i]], option.draft[k[i]]
-                    expected_gain[i], expected_draft[i] = option.expected_gain[k[i]], option.expected_draft[k[i]]
-        if not changed:
-            break
-    width = min(max(k, default=0) + 1, len(times))
-    rate = float(expected_gain.sum() / (times[width - 1] + expected_draft.sum()))
-    return Decision(list(zip(arm, k, strict=True)), width, rate)
+    table = _Candidates(plans)
+    fixed_width = min(max((p.fixed[1] + 1 for p in plans if p.fixed is not None), default=1), len(times))
+    best, best_rate = table.plain, -np.inf
+    for width in range(fixed_width, len(times) + 1):
+        pick, rate = table.best_within(width - 1, times[width - 1])
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = pick, rate
+    choices = [plan.fixed if plan.fixed is not None else table.choice(i, best[i]) for i, plan in enumerate(plans)]
+    width = min(max((k for _, k in choices), default=0) + 1, len(times))
+    rows = np.arange(len(plans))
+    rate = float(table.expected_gain[rows, best].sum() / (times[width - 1] + table.expected_draft[rows, best].sum()))
+    return Decision(choices, width, rate)
+
+
+class _Candidates:
+    """Every request's candidates in one table, [request, candidate]: column 0 the plain step (gain 1, no drafting),
+    then each option's k = 1 .. m in order; a request with a fixed choice has only column 0 (it yields 1 token as
+    far as the others' choices go, and its k bounds the width from below). Padding never wins (gain -inf)."""
+
+    def __init__(self, plans: Sequence[Plan]):
+        rows = [[(None, 0, 1.0, 0.0, 1.0, 0.0)] for _ in plans]
+        for row, plan in zip(rows, plans, strict=True):
+            for option in plan.options if plan.fixed is None else ():
+                row += [
+                    (option.arm, k, option.gain[k], option.draft[k], option.expected_gain[k], option.expected_draft[k])
+                    for k in range(1, len(option.gain))
+                ]
+        width = max(map(len, rows))
+        padded = [row + [(None, 0, -np.inf, 0.0, 0.0, 0.0)] * (width - len(row)) for row in rows]
+        self.arms = [[c[0] for c in row] for row in padded]
+        columns = np.array([[c[1:] for c in row] for row in padded], dtype=float).reshape(len(plans), width, 5)
+        self.k, self.gain, self.draft, self.expected_gain, self.expected_draft = np.moveaxis(columns, 2, 0)
+        self.plain = np.zeros(len(plans), dtype=int)
+
+    def best_within(self, k_max: int, forward: float) -> tuple[np.ndarray, float]:
+        """The column per request maximising sum gain / (forward + sum draft) with every k <= k_max, and that rate
+        (Dinkelbach: each pass picks argmax gain - rate x draft per request, then prices the picks)."""
+        allowed = np.where(self.k <= k_max, self.gain, -np.inf)
+        rows = np.arange(len(self.arms))
+        pick, rate = self.plain, len(rows) / forward
+        for _ in range(_PASSES):
+            again = np.argmax(allowed - rate * self.draft, axis=1)
+            new_rate = self.gain[rows, again].sum() / (forward + self.draft[rows, again].sum())
+            if new_rate <= rate * (1 + 1e-12):
+                break
+            pick, rate = again, new_rate
+        return pick, rate
+
+    def choice(self, request: int, column: int) -> tuple[int | None, int]:
+        return self.arms[request][column], int(self.k[request, column])
 
 
 class BatchDecision:
