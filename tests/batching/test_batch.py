@@ -383,6 +383,19 @@ def test_the_decision_drafts_for_everyone_where_no_single_request_could_pay_for_
     assert decision.rate > plain
 
 
+def test_the_decision_prices_each_choice_at_the_width_it_needs():
+    """A measured T need not grow with W (on one CPU a 4-token forward ran faster than a 3-token one): choices that
+    need width 3, found while searching width 4, must be priced at T(3), not at the cheaper T(4)."""
+    times = [0.030, 0.040, 0.080, 0.050]
+    plans = [Plan([_option(0, 0.9, m=2)]), Plan([_option(1, 0.2, m=2)])]
+    two = (1 + 0.9 + 0.81 + 1 + 0.2 + 0.04) / times[2]  # both drafting 2: width 3
+    assert two < (1.9 + 1.2) / times[1] < (1 + 0.9 + 0.81 + 1 + 0.2 + 0.04) / times[3]  # at T(4) it would look best
+    decision = decide(plans, times)
+    assert decision.width == 2 and decision.choices == [(0, 1), (1, 1)]
+    assert decision.rate == pytest.approx((1.9 + 1.2) / times[1])
+    assert decide([], times).choices == []
+
+
 def test_the_decision_keeps_fixed_choices_and_prices_drafting_time():
     plans = [Plan(fixed=(1, 3)), Plan([_option(0, 0.9, step=1.0)])]  # drafting costs a second a token
     decision = decide(plans, [0.03] * 7)

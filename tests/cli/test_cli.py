@@ -59,13 +59,13 @@ def test_plain_output_prints_text_and_statistics(capsys, embedded):
 
 def test_calibrate_max_batch_prints_t_b_w_and_refresh_measures_it_again(capsys, embedded, tmp_path, monkeypatch):
     import metasd.costs.calibration as calibration
-    from metasd.models.linear_kernels import install, installed
+    from metasd.models.linear_kernels import install, installed, installed_beyond
 
     monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
     measured = []
     real = calibration.calibrate_batch
     monkeypatch.setattr(calibration, "calibrate_batch", lambda m, sizes, w: measured.append(sizes) or real(m, sizes, w))
-    before = installed(embedded.model)
+    before, beyond = installed(embedded.model), installed_beyond(embedded.model)
     try:
         for argv in ([], [], ["--refresh"]):
             assert main(["calibrate", "--max-tokens", "2", "--max-batch", "2", *argv]) == 0
@@ -75,25 +75,25 @@ def test_calibrate_max_batch_prints_t_b_w_and_refresh_measures_it_again(capsys, 
             assert size == "2" and len(times) == 2 and all(float(t) > 0 for t in times)
     finally:
         if before is not None:
-            install(embedded.model, before)
+            install(embedded.model, before, beyond)
     assert measured == [[2], [2]]  # the second run read the cache; --refresh measured again
 
 
 def test_calibrate_says_when_the_table_it_prints_was_not_cached(capsys, embedded, tmp_path, monkeypatch):
     import metasd.costs.calibration as calibration
-    from metasd.models.linear_kernels import install, installed
+    from metasd.models.linear_kernels import install, installed, installed_beyond
 
     monkeypatch.setenv("METASD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "CONTENDED", 0.25)
     ticks = iter([(1000, 600, 100), (2000, 1500, 400)])  # others held 60 % of the CPUs while it measured
     monkeypatch.setattr(calibration, "cpu_ticks", lambda: next(ticks))
-    before = installed(embedded.model)
+    before, beyond = installed(embedded.model), installed_beyond(embedded.model)
     try:
         with pytest.warns(UserWarning, match="is not cached"):
             assert main(["calibrate", "--max-tokens", "2"]) == 0
     finally:
         if before is not None:
-            install(embedded.model, before)
+            install(embedded.model, before, beyond)
     assert "(this table is not in it: see the warning above)" in capsys.readouterr().out.splitlines()[0]
 
 

@@ -145,13 +145,13 @@ def test_decoding_on_each_kernel_is_lossless(embedded, questions_path, kernel):
 def test_torch_mode_keeps_torch_linear_everywhere(embedded):
     with pytest.raises(ValueError, match="kernels must be one of"):
         Decoder(drafters=["ngram"], kernels="fastest")
-    before = installed(embedded.model)
+    before, beyond = installed(embedded.model), installed_beyond(embedded.model)
     try:
         decoder = Decoder(drafters=["ngram"], policy="none", kernels="torch")
         assert installed(decoder.target.model) == ["linear"] * decoder.cost_model().target.max_tokens
     finally:
         if before is not None:
-            install(embedded.model, before)
+            install(embedded.model, before, beyond)
 
 
 MIXED = ["linear", "weight-major", "weight-major"]  # as calibration may route: M = 1 and M >= 4 torch's own
@@ -178,7 +178,7 @@ def test_decoding_on_a_mixed_routing_matches_the_unrouted_target(embedded, quest
 
     decoder = Decoder(drafters=["ngram", "lm:embedded:unquantized"], policy="fixed:ngram", draft_len=2)
     model = decoder.target.model
-    chosen = installed(model)
+    chosen, beyond = installed(model), installed_beyond(model)
     questions = [json.loads(line) for line in questions_path.read_text().splitlines()]
     weight_major_rows = []
     real = lk._weight_major
@@ -201,4 +201,4 @@ def test_decoding_on_a_mixed_routing_matches_the_unrouted_target(embedded, quest
         assert {2, 3} <= set(weight_major_rows) <= {2, 3}  # the mixed routing was exercised, and only for M = 2..3
         assert not mismatches, "\n".join(mismatches)
     finally:
-        install(model, chosen)
+        install(model, chosen, beyond)

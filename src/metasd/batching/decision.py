@@ -50,22 +50,26 @@ def decide(plans: Sequence[Plan], round_seconds: Sequence[float]) -> Decision:
     times = np.asarray(round_seconds, dtype=float)
     table = _Candidates(plans)
     fixed_width = min(max((p.fixed[1] + 1 for p in plans if p.fixed is not None), default=1), len(times))
+    rows = np.arange(len(plans))
     best, best_rate = table.plain, -np.inf
     for width in range(fixed_width, len(times) + 1):
-        pick, rate = table.best_within(width - 1, times[width - 1])
+        pick, _ = table.best_within(width - 1, times[width - 1])
+        # priced at the width it needs, which may be narrower than the one searched (T need not grow with W)
+        needed = max(int(table.k[rows, pick].max(initial=0)) + 1, fixed_width)
+        rate = table.gain[rows, pick].sum() / (times[needed - 1] + table.draft[rows, pick].sum())
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = pick, rate
     choices = [plan.fixed if plan.fixed is not None else table.choice(i, best[i]) for i, plan in enumerate(plans)]
     width = min(max((k for _, k in choices), default=0) + 1, len(times))
-    rows = np.arange(len(plans))
     rate = float(table.expected_gain[rows, best].sum() / (times[width - 1] + table.expected_draft[rows, best].sum()))
     return Decision(choices, width, rate)
 
 
 class _Candidates:
     """Every request's candidates in one table, [request, candidate]: column 0 the plain step (gain 1, no drafting),
-    then each option's k = 1 .. m in order; a request with a fixed choice has only column 0 (it yields 1 token as
-    far as the others' choices go, and its k bounds the width from below). Padding never wins (gain -inf)."""
+    then every option's k = 1 .. m, shorter drafts first (argmax takes the first of equals); a request with a fixed
+    choice has only column 0 (it yields 1 token as far as the others' choices go, and its k bounds the width from
+    below). Padding never wins (gain -inf)."""
 
     def __init__(self, plans: Sequence[Plan]):
         rows = [[(None, 0, 1.0, 0.0, 1.0, 0.0)] for _ in plans]
@@ -75,7 +79,8 @@ class _Candidates:
                     (option.arm, k, option.gain[k], option.draft[k], option.expected_gain[k], option.expected_draft[k])
                     for k in range(1, len(option.gain))
                 ]
-        width = max(map(len, rows))
+            row[1:] = sorted(row[1:], key=lambda candidate: candidate[1])  # stable: options in order within a k
+        width = max(map(len, rows), default=1)
         padded = [row + [(None, 0, -np.inf, 0.0, 0.0, 0.0)] * (width - len(row)) for row in rows]
         self.arms = [[c[0] for c in row] for row in padded]
         columns = np.array([[c[1:] for c in row] for row in padded], dtype=float).reshape(len(plans), width, 5)

@@ -31,7 +31,10 @@ KERNELS = ("linear", "weight-major", *(("onednn",) if ONEDNN else ()))
 # A decoder's `kernels` option: the candidates its calibration may choose from ("torch": torch's F.linear only,
 # for logits bit-identical to an unrouted model's)
 KERNEL_MODES = {"auto": KERNELS, "torch": KERNELS[:1]}
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# the dtypes whose products may go to oneDNN: bfloat16 only where the CPU has the instructions its bfloat16 kernels
+# need (AVX-512 or AMX), none in a torch build without oneDNN (a model pickled elsewhere may still name the kernel)
+ONEDNN_BF16 = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+ONEDNN_DTYPES = (torch.float32, *((torch.bfloat16,) if ONEDNN_BF16 else ())) if ONEDNN else ()
 
 
 def _weight_major(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -61,6 +64,7 @@ class RoutedLinear(torch.nn.Linear):
         if kernel == "weight-major":
             return _weight_major(x, self.weight, self.bias)
         if kernel == "onednn" and x.dtype in ONEDNN_DTYPES and x.device.type == "cpu" and not _tracks_grad(x, self):
+            # elsewhere (a GPU, a dtype oneDNN's CPU kernels lack, autograd) the product is torch's own
             return torch.ops.mkldnn._linear_pointwise(x, self._onednn_weight(), self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -83,7 +87,8 @@ class RoutedLinear(torch.nn.Linear):
 
 def _tracks_grad(x: torch.Tensor, layer: torch.nn.Linear) -> bool:
     """Whether autograd records this product (training a head): oneDNN's op has no backward."""
-    return torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)
+    trainable = layer.weight.requires_grad or (layer.bias is not None and layer.bias.requires_grad)
+    return torch.is_grad_enabled() and (x.requires_grad or trainable)
 
 
 def install(model: torch.nn.Module, choice: Sequence[str], beyond: str = KERNELS[0], keep: bool = False) -> None:
