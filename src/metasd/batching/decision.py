@@ -53,7 +53,7 @@ def decide(plans: Sequence[Plan], round_seconds: Sequence[float]) -> Decision:
     rows = np.arange(len(plans))
     best, best_rate = table.plain, -np.inf
     for width in range(fixed_width, len(times) + 1):
-        pick, _ = table.best_within(width - 1, times[width - 1])
+        pick = table.best_within(width - 1, times[width - 1])
         # priced at the width it needs, which may be narrower than the one searched (T need not grow with W)
         needed = max(int(table.k[rows, pick].max(initial=0)) + 1, fixed_width)
         rate = table.gain[rows, pick].sum() / (times[needed - 1] + table.draft[rows, pick].sum())
@@ -87,9 +87,9 @@ class _Candidates:
         self.k, self.gain, self.draft, self.expected_gain, self.expected_draft = np.moveaxis(columns, 2, 0)
         self.plain = np.zeros(len(plans), dtype=int)
 
-    def best_within(self, k_max: int, forward: float) -> tuple[np.ndarray, float]:
-        """The column per request maximising sum gain / (forward + sum draft) with every k <= k_max, and that rate
-        (Dinkelbach: each pass picks argmax gain - rate x draft per request, then prices the picks)."""
+    def best_within(self, k_max: int, forward: float) -> np.ndarray:
+        """The column per request maximising sum gain / (forward + sum draft) with every k <= k_max (Dinkelbach:
+        each pass picks argmax gain - rate x draft per request, then prices the picks)."""
         allowed = np.where(self.k <= k_max, self.gain, -np.inf)
         rows = np.arange(len(self.arms))
         pick, rate = self.plain, len(rows) / forward
@@ -99,7 +99,7 @@ class _Candidates:
             if new_rate <= rate * (1 + 1e-12):
                 break
             pick, rate = again, new_rate
-        return pick, rate
+        return pick
 
     def choice(self, request: int, column: int) -> tuple[int | None, int]:
         return self.arms[request][column], int(self.k[request, column])
