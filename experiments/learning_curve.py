@@ -10,7 +10,7 @@ can be copied from its prompt, so the free drafters propose little. Phase 1: the
 (`metasd.learning`, defaults but `--learn-every`, half a core at serving's priority) trains in the background.
 Phase 2: the learner stopped, each of the last 50 prompts (`--tail`) four times in turn: fixed:eagle and the
 default policy (`--policies`), each with the learned head and with the head as loaded (the drafter's history key
-set to None).
+set to None), each head with its own policy state across requests.
 Usage: python experiments/learning_curve.py [--domain code|translation] [--requests 200] [--learn-every 2048]
   [--tail 50] [--new-tokens 64] [--target SPEC --drafters A,B,... --dtype bfloat16]   (another pair: its head among
   the drafters, named eagle:...)
@@ -136,13 +136,18 @@ def main() -> None:
 
     policies = args.policies.split(",")
     runs = {(policy, head): [] for policy in policies for head in ("learned", "loaded")}
+    # what the policies learn across requests (the default's acceptance record of each drafter) is kept per head,
+    # as on a server that serves only that head: interleaved in one state, each head would be judged by the other's
+    states = dict.fromkeys(("learned", "loaded"), decoder.snapshot_policies())
     for prompt in ps[-args.tail :]:
         for policy in policies:
             for head in ("learned", "loaded"):
                 drafter.use_history("" if head == "learned" else None)
+                decoder.restore_policies(states[head])
                 result = decoder.generate(
                     prompt, max_new_tokens=args.new_tokens, policy=f"fixed:{eagle}" if policy == "fixed" else None
                 )
+                states[head] = decoder.snapshot_policies()
                 rounds, drafted, accepted = head_stats(result, eagle)
                 runs[policy, head].append(
                     {

@@ -320,8 +320,10 @@ class Generation:
         self.target.reset()
         for drafter in self.pool:
             drafter.begin(self.prompt)
-        if self.policy is not None and self.decoder.policy_scope == "request":
-            self.policy.reset()
+        if self.policy is not None:
+            self.policy.revise([d.revision() for d in self.pool])
+            if self.decoder.policy_scope == "request":
+                self.policy.reset()
         self._synced = {d.name: 0 for d in self.pool}
         self._started = time.perf_counter()
 

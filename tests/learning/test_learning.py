@@ -69,6 +69,42 @@ def test_greedy_output_is_the_targets_while_the_head_changes_every_round(embedde
         assert request.token_ids == greedy_reference(embedded.model, decoder.encode(prompt), 16)
 
 
+class ByHand:
+    """A learner whose head in service is swapped by hand (`version`); it keeps nothing."""
+
+    def __init__(self, head):
+        self.version, self.head = 0, head
+
+    def current(self, key):
+        return (self.version, self.head) if self.version else (0, None)
+
+    def collect(self, key, tokens, features, prompt):
+        pass
+
+
+def test_the_default_policy_forgets_what_it_carried_of_a_head_once_another_is_swapped_in(embedded, head_dir):
+    spec = f"eagle:{head_dir}"
+    decoder = Decoder(drafters=[spec, "ngram"])  # metasd-adaptive carries acceptance across requests
+    torch.manual_seed(1)
+    learner = ByHand(EagleHead(head_config_for(embedded.model, 8192), torch.arange(8192)))
+    decoder.drafters[spec].learn_from(learner)
+    ids = decoder.encode(PROMPTS[2])
+    first = decoder.generate(ids, max_new_tokens=8)
+    (policy,) = decoder.policies.values()
+    assert policy.revisions == (0, None)
+    history = policy.acceptance.history_tried
+    history[:] = 1000.0  # a long record of the head as loaded, and of the n-gram drafter
+    rows = list(policy.tables.rows_of(0))
+    assert decoder.generate(ids, max_new_tokens=8).token_ids == first.token_ids
+    assert policy.acceptance.history_tried[rows].min() >= 1000.0  # the same head: its record stays
+    learner.version = 1
+    assert decoder.generate(ids, max_new_tokens=8).token_ids == first.token_ids
+    assert policy.revisions == (("", 1), None)
+    assert policy.acceptance.history_tried[rows].max() < 1000.0  # only the swapped-in head's own rounds
+    other = list(policy.tables.rows_of(1))
+    assert policy.acceptance.history_tried[other].min() >= 1000.0
+
+
 def _fill(decoder, spec, times=6, prompt=PROMPTS[1], tokens=32):
     ids = decoder.encode(prompt)
     return [decoder.generate(ids, max_new_tokens=tokens, policy=f"fixed:{spec}") for _ in range(times)]

@@ -418,6 +418,28 @@ def test_a_drafter_equally_poor_on_every_request_gets_a_strong_prior_a_variable_
     assert per_cell.tried.sum() == 0
 
 
+def test_a_revised_drafter_is_judged_by_its_own_rounds_not_by_what_it_replaced():
+    """A drafter whose revision changed between requests (an EAGLE head learned from traffic swapped in) starts
+    without the acceptance carried across requests of what drafted before; the other drafters keep theirs."""
+    policy = policy_with([0.01] * 13, accept=0.2, n_arms=2, free=(True, False))
+    policy.acceptance.spread, policy.acceptance.prior_weight = False, 20.0  # requests start from the history
+    t = policy.tables
+    kept = policy.acceptance.history_tried[t.main(0)].copy()
+    policy.usage.sums[1], policy.usage.counts[1] = 0.1, 4  # the head before yielded little of its requests
+    policy.revise([None, 0])  # the first request seen: nothing to compare with
+    policy.revise([None, 0])
+    assert policy.acceptance.history_tried[t.main(1)].sum() > 0
+    policy.revise([None, ("", 1)])
+    for row in t.rows_of(1):
+        assert policy.acceptance.history_tried[row].sum() == 0 and policy.acceptance.tried[row].sum() == 0
+    assert np.array_equal(policy.acceptance.history_tried[t.main(0)], kept)
+    assert policy.usage.share(1) == 1.0
+    policy.reset()
+    assert policy.acceptance.rates(t.main(1), None, 2).tolist() == [0.5, 0.5]  # uninformed again
+    assert policy.acceptance.rates(t.main(0), None, 1)[0] < 0.3  # the other drafter starts from its record
+    assert policy.snapshot()["revisions"] == (None, ("", 1))  # what it learned describes this revision
+
+
 def test_deep_positions_have_their_own_cells():
     """A drafter whose spans always run out after 6 tokens: tokens 3-5 are sure, token 6 never; one rate from
     token 3 on would price both alike."""

@@ -545,3 +545,39 @@ def test_canonical_policy_keeps_distinct_values_apart() -> None:
     assert canonical_policy("ducb", DRAFTERS) != canonical_policy("ducb-cost", DRAFTERS)
     with pytest.raises(ValueError, match="unknown policy"):
         canonical_policy("bogus", DRAFTERS)
+
+
+def test_a_bandit_kept_across_requests_starts_over_when_a_drafter_is_revised():
+    """Its statistics compare the drafters with one another: one of them drafting with something new (a learned
+    head swapped in) makes them stale."""
+    policy = UCB(2)
+    policy.revise([0, 0])
+    for arm, r in ((0, 0.9), (1, 0.1), (0, 0.8)):
+        policy.update(arm, r)
+    policy.revise([0, 0])
+    assert policy.pulls == [2, 1]
+    policy.revise([0, 1])
+    assert policy.pulls == [0, 0] and policy.rounds == 0
+
+
+def test_a_copy_that_learned_of_a_drafter_since_revised_is_not_merged_back():
+    """Batched requests learn in copies of the shared policy (`for_request`, `take_back`); a copy that started
+    before a drafter was revised compared it with the others as it was."""
+    shared = UCB(2)
+    shared.revise([0, 0])
+    shared.update(0, 1.0)
+    before, start = shared.for_request(), shared.copy_start()
+    before.update(1, 0.5)
+    shared.revise([0, 1])  # the next request to join sees the new revision
+    after, start_after = shared.for_request(), shared.copy_start()
+    after.update(1, 0.9)
+    shared.take_back(before, start)
+    shared.take_back(after, start_after)
+    assert shared.pulls == [0, 1] and shared.mean_rewards[1] == pytest.approx(0.9)
+    adaptive = build_policy("metasd-adaptive", ["a", "b"])
+    adaptive.revise([0, 0])
+    stale = adaptive.for_request()
+    stale.rounds = 7
+    adaptive.revise([0, 1])
+    adaptive.take_back(stale, adaptive.copy_start())
+    assert adaptive.rounds == 0

@@ -104,7 +104,8 @@ class Batch:
                 if drafter.reads_target_features:
                     drafter.read_features_from(row)
             shared = request.policy
-            if shared is not None:
+            if shared is not None:  # its copy starts from what was learned of these drafters (`Policy.revise`)
+                shared.revise([d.revision() for d in request.pool])
                 request.policy = shared.for_request()
             request.begin()
         except BaseException:

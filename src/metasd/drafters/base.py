@@ -60,6 +60,9 @@ class Drafter:
       (bench/history.py): the others may hold unpicklable shared state, such as a datastore's memory maps.
     - `fork`: its copy for one request among several in flight (a batch).
     - `use_history`: which cross-request history the next requests read and extend (a key per client, or None).
+    - `revision`: what the next request drafts with, where that can change between requests (an EAGLE head learned
+      from traffic and swapped in, or another history key's head): a policy forgets what it carried across
+      requests of a drafter whose revision changed, since it describes another drafter.
     - `batch_key` / `draft_batch`: forks whose drafts can share forwards in a batch (the same weights) say so, and
       draft together: one forward per drafted token for all of them (vLLM's batch-first proposers).
     """
@@ -96,6 +99,11 @@ class Drafter:
 
     def use_history(self, key: str | None) -> None:
         """Which history the next requests read and extend; a drafter that keeps none has nothing to choose."""
+
+    def revision(self) -> Hashable:
+        """What the next request drafts with, where that can be replaced between requests (a head learned from
+        traffic swapped in); equal values draft alike. A drafter that is never replaced has one revision."""
+        return None
 
     def batch_key(self) -> Hashable | None:
         """Forks returning equal keys draft together in a batch (`draft_batch`); None: this one drafts alone."""

@@ -20,7 +20,7 @@ import copy
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -195,6 +195,14 @@ class EagleDrafter(AutoregressiveDrafter):
         """Requests from now on learn, and draft from what was learned, in history `key` (None: neither; the
         head as loaded drafts and nothing is kept)."""
         self.history_key = key
+
+    def revision(self) -> Hashable:
+        """The head the next request drafts from: (history key, version) of a head learned from that key's traffic,
+        or 0 for the head as loaded (no learner, no key, or nothing swapped in yet)."""
+        if self.learning is None or self.history_key is None:
+            return 0
+        version, _ = self.learning.current(self.history_key)
+        return (self.history_key, version) if version else 0
 
     def end(self, context: list[int]) -> None:
         """With a learner: the request's tokens and the target's features of them, verified positions only."""

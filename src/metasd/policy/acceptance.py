@@ -75,6 +75,10 @@ class Tables:
         """The row of model drafter `arm`'s second choices where its token was rejected."""
         return 2 * self.n_arms + arm
 
+    def rows_of(self, arm: int) -> tuple[int, int, int]:
+        """Every row of drafter `arm`: its own drafts, its continuations and its runners-up."""
+        return self.main(arm), self.continuation(arm), self.runner_up(arm)
+
 
 class AcceptanceModel:
     """Per-row (`Tables`) counts of accepted and tried drafted tokens by signal level and position, for this
@@ -107,6 +111,14 @@ class AcceptanceModel:
             scale = np.minimum(1.0, self.prior_weight / np.maximum(self.history_tried, 1e-12))
         self.accepted = self.history_accepted * scale
         self.tried = self.history_tried * scale
+
+    def forget_rows(self, rows: Sequence[int]) -> None:
+        """Everything counted in these rows, this request's and the history's."""
+        for row in rows:
+            for counts in (self.accepted, self.tried, self.history_accepted, self.history_tried):
+                counts[row] = 0.0
+            self.first_tokens[row] = []
+            self._first[row] = 0.0
 
     def prior_strength(self, arm: int) -> float:
         """Empirical Bayes: pseudo-observations worth of the drafter's history for a new request, from how much

@@ -177,6 +177,15 @@ class AdaptivePolicy(Learned):
             raise ValueError("attach() needs one name, one free flag and one stoppable flag per drafter")
         self.costs, self.names, self.free, self.stoppable = costs, list(names), list(free), stoppable
 
+    def forget_drafters(self, arms: Sequence[int]) -> None:
+        """Forget the acceptance these drafters' drafts, continuations and runners-up had, this request's and
+        the history's, and the share of output they yielded: a revised drafter (an EAGLE head learned from
+        traffic) is judged by its own rounds."""
+        self.acceptance.forget_rows([row for arm in arms for row in self.tables.rows_of(arm)])
+        for arm in arms:
+            self.pulls[arm], self.mean_rewards[arm] = 0, 0.0
+            self.usage.forget(arm)
+
     def reset(self) -> None:
         self.acceptance.reset()
         self.hindsight.clear()

@@ -8,7 +8,7 @@ policy sees only the arm it picked and the reward in [0, 1] the engine computed 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Protocol, Self
 
 import numpy as np
@@ -74,6 +74,10 @@ class Policy(Protocol):
     def reset(self) -> None:
         """Start a request: forget what was learned, or (`carries_over`) only what belongs to the last request."""
 
+    def revise(self, revisions: Sequence[Hashable]) -> None:
+        """A request starts with the drafters at these revisions (`Drafter.revision`): what the policy carried
+        across requests of a drafter whose revision changed described another drafter, and is forgotten."""
+
     def attach(
         self, costs: CostModel, names: Sequence[str], free: Sequence[bool], stoppable: Sequence[bool], regime: str
     ) -> None:
@@ -110,10 +114,26 @@ class Learned:
     Attributes named in `shared` (the machine's cost model) are the decoder's, live, and never part of it."""
 
     shared: tuple[str, ...] = ("costs",)
+    revisions: tuple = ()  # the drafters' revisions (`Drafter.revision`) the statistics were learned under
+
+    def revise(self, revisions: Sequence[Hashable]) -> None:
+        """Forget what was learned of each drafter whose revision differs from the one it was learned under
+        (`forget_drafters`)."""
+        revisions = tuple(revisions)
+        learned_under = self.revisions or revisions  # the first request: nothing learned yet
+        changed = [arm for arm, (was, now) in enumerate(zip(learned_under, revisions, strict=True)) if was != now]
+        self.revisions = revisions
+        if changed:
+            self.forget_drafters(changed)
+
+    def forget_drafters(self, arms: Sequence[int]) -> None:
+        """Forget what was learned of these drafters (default: everything, since the statistics compare them)."""
+        self.reset()
 
     def snapshot(self) -> dict:
-        """A deep copy of everything the policy learned."""
-        return copy.deepcopy({k: v for k, v in vars(self).items() if k not in self.shared})
+        """A deep copy of everything the policy learned, and the revisions it was learned under."""
+        learned = {k: v for k, v in vars(self).items() if k not in self.shared}
+        return copy.deepcopy({"revisions": self.revisions, **learned})
 
     def restore(self, snapshot: dict) -> None:
         """Back to what `snapshot` holds (a copy of it: the snapshot can be restored again)."""
@@ -132,8 +152,10 @@ class Learned:
 
     def take_back(self, copy: Self, start: dict | None) -> None:
         """A request's copy (`for_request`) ended: what it learned becomes this policy's, for the requests after
-        it (default: its state replaces this one's; the copy is done with, so its objects are taken, not copied)."""
-        vars(self).update({k: v for k, v in vars(copy).items() if k not in self.shared})
+        it (default: its state replaces this one's; the copy is done with, so its objects are taken, not copied),
+        unless a drafter was revised since the copy started: then it learned of a drafter that is no more."""
+        if copy.revisions == self.revisions:
+            vars(self).update({k: v for k, v in vars(copy).items() if k not in self.shared})
 
 
 def state_delta(a: dict, b: dict | None) -> dict:
@@ -207,8 +229,10 @@ class ArmStats(Learned):
         return self.state()
 
     def take_back(self, copy: ArmStats, start: dict | None) -> None:
-        """Add the statistics the copy gathered to those other copies added meanwhile."""
-        self.merge(state_delta(copy.state(), start))
+        """Add the statistics the copy gathered to those other copies added meanwhile, unless a drafter was
+        revised since the copy started (its statistics compare drafters one of which is no more)."""
+        if copy.revisions == self.revisions:
+            self.merge(state_delta(copy.state(), start))
 
     def merge(self, delta: dict) -> None:
         """Add statistics learned elsewhere (a `state()`, or the difference of two) to this policy's."""

@@ -41,6 +41,10 @@ class PrefillUsage:
         self._since_start = [None] * self.n_arms
         self._yielded = [0.0] * self.n_arms
 
+    def forget(self, arm: int) -> None:
+        """What was recorded of drafter `arm` across requests (another drafter now drafts under its index)."""
+        self.sums[arm], self.counts[arm] = 0.0, 0
+
     def share(self, arm: int) -> float:
         """The expected share of a request's output drafter `arm` yields once started: the mean over earlier
         requests with one pseudo-request at 1 (so a single poor request does not shut it out of the next)."""
