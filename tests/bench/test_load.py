@@ -15,6 +15,7 @@ def test_a_load_records_each_responses_acceptance_when_it_arrived(embedded, tmp_
     decoder = Decoder(drafters="ngram")
     result = run_load(decoder, Setting("max-batch 2", 2, "fixed:ngram"), PROMPTS, clients=2, max_tokens=8)
     assert set(result.acceptance) == set(result.texts) == set(range(len(PROMPTS)))
+    assert result.prompt_tokens == sum(len(decoder.encode(prompt)) for prompt in PROMPTS)  # chat template included
     for i, (seconds, accepted) in result.acceptance.items():
         assert 0 < seconds <= result.wall_s
         assert seconds >= result.latencies[i] - 1e-6  # answered no earlier than its own latency after the start

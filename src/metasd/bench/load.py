@@ -41,8 +41,9 @@ class Setting:
 @dataclass
 class LoadResult:
     """One load's outcome: the setting and number of clients, the requests and completion tokens served, its wall
-    time and each request's latency in seconds, the completions, the rounds per batch size, and each response's
-    mean accepted tokens per round with when it arrived."""
+    time and each request's latency in seconds, the completions, the rounds per batch size, each response's mean
+    accepted tokens per round with when it arrived, and the prompt tokens the server took in (chat template
+    included: on a CPU the prompts can be more of the work than the answers)."""
 
     setting: str
     clients: int
@@ -55,6 +56,7 @@ class LoadResult:
     learning: list[dict] = field(default_factory=list)  # the learners' state at the end (`HeadLearner.stats`)
     # prompt index -> (seconds from the load's start to its answer, the answer's mean accepted tokens per round)
     acceptance: dict[int, tuple[float, float]] = field(default_factory=dict)
+    prompt_tokens: int = 0
 
     def acceptance_in_order(self) -> list[float]:
         """The responses' mean accepted tokens per round, in the order they were answered."""
@@ -85,6 +87,7 @@ def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients
     app = create_app(decoder, max_queue=max(64, len(prompts)), max_batch=setting.max_batch, learning=setting.learning)
     latencies: list[float] = [0.0] * len(prompts)
     tokens: list[int] = [0] * len(prompts)
+    prompt_tokens: list[int] = [0] * len(prompts)
     texts: dict[int, str] = {}
     answered: dict[int, tuple[float, float]] = {}  # prompt index -> (perf_counter at the answer, mean accepted)
     errors: list[str] = []
@@ -111,6 +114,7 @@ def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients
                     continue
                 data = r.json()
                 tokens[i] = data["usage"]["completion_tokens"]
+                prompt_tokens[i] = data["usage"]["prompt_tokens"]
                 texts[i] = data["choices"][0]["message"]["content"]
                 answered[i] = (time.perf_counter(), data["metasd"]["mean_accepted_tokens"])
 
@@ -143,6 +147,7 @@ def run_load(decoder: Decoder, setting: Setting, prompts: Sequence[str], clients
         batch_rounds=rounds,
         learning=learned,
         acceptance={i: (at - began, accepted) for i, (at, accepted) in answered.items()},
+        prompt_tokens=sum(prompt_tokens),
     )
 
 

@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     results, mismatches = run_loads(make_decoder, settings, interleaved, loads, args.max_new_tokens, args.requests)
     print(table(results, settings[0].label))
+    for r in results:
+        if r.setting == settings[0].label:  # every setting of a load serves the same prompts
+            print(f"{r.clients} clients: {r.prompt_tokens} prompt tokens for {r.tokens} completion tokens")
     served = sum(len(r.texts) for r in results if r.setting != settings[0].label)
     print(f"greedy outputs differing from decoding alone: {len(mismatches)} of {served}")
     for m in mismatches:
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> None:
                     "clients": r.clients,
                     "requests": r.requests,
                     "tokens": r.tokens,
+                    "prompt_tokens": r.prompt_tokens,
                     "wall_s": r.wall_s,
                     "throughput": r.throughput,
                     "p50": r.latency(0.5),
