@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from . import attention  # noqa: F401  (registers the `sdpa` attention every model reads: grouped queries on a CPU)
+from .converted import TOKENIZER, converted_entry, read_converted, save_converted
 from .embedded import embedded_path
 
 EMBEDDED = "embedded"
@@ -118,16 +119,22 @@ def load_model(spec: str | None = None, dtype: str = "float32", device: str = "a
 
         transformers.utils.logging.disable_progress_bar()
 
+        entry = converted_entry(Path(name) / kwargs["gguf_file"]) if "gguf_file" in kwargs else None
+        converted = read_converted(entry, dtype)  # a GGUF file's model as its first load saved it
         try:
             if "gguf_file" not in kwargs:  # refuse before reading the weights (a GGUF is checked once loaded)
                 from transformers import AutoConfig
 
                 check_full_attention(AutoConfig.from_pretrained(name), spec)
-            tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], **kwargs)
+            tokenizer, model = converted or (
+                AutoTokenizer.from_pretrained(name, **kwargs),
+                AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], **kwargs),
+            )
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(f"cannot load model {spec!r}: {err}") from err
         check_full_attention(model.config, spec)
+        if entry is not None and converted is None:
+            save_converted(entry, tokenizer, model, dtype)
         model.to(where).eval()
         loaded = LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
         _cache[key] = loaded
@@ -173,6 +180,9 @@ def load_tokenizer(spec: str | None = None) -> object:
     from transformers import AutoTokenizer
 
     name, kwargs = _locate(spec)
+    entry = converted_entry(Path(name) / kwargs["gguf_file"]) if "gguf_file" in kwargs else None
+    if entry is not None and (entry / TOKENIZER).is_dir():
+        name, kwargs = str(entry / TOKENIZER), {}
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError, KeyError) as err:
