@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -54,6 +55,12 @@ def save_converted(entry: Path, tokenizer, model, dtype: str) -> None:
             _write(entry / TOKENIZER, tokenizer.save_pretrained)
         if not (entry / dtype).is_dir():
             _write(entry / dtype, lambda where: _save_dequantized(model, where))
+            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file()) / 1e9
+            print(
+                f"metasd: kept the model converted from its GGUF file ({size:.1f} GB) in {entry}, so that later loads "
+                "read it (METASD_GGUF_CACHE=off: convert at every load instead)",
+                file=sys.stderr,
+            )
         same_path = entry.name.rsplit("-", 1)[0] + "-"
         for older in entry.parent.iterdir():
             if older.name.startswith(same_path) and older != entry:
