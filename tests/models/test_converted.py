@@ -1,13 +1,12 @@
-"""A GGUF file's model converted once: read back, it is the model and tokenizer a GGUF load builds, bit for bit; a
-copy that cannot be read is converted again; an edited file gets a new entry that replaces the old one; the cache
-can be turned off."""
-
-import os
+"""A GGUF file's model converted once: read back, it is the model and tokenizer a GGUF load builds, bit for bit, and
+`load_model` / `load_tokenizer` read it; a copy that cannot be read is converted again; an edited file gets a new
+entry that replaces the old one; the cache can be turned off."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import metasd.models.loading as loading
 from metasd.models.converted import TOKENIZER, converted_entry, read_converted, save_converted
 from metasd.models.embedded import embedded_path
 
@@ -18,19 +17,19 @@ TEXTS = ["Hello world", " leading space\n\nnew lines\ttab", "é 中文 🙂 def 
 def converted(tmp_path_factory):
     """The embedded GGUF file loaded by transformers itself (never from a cache), and its entry written and read
     back under a cache of the module's own: (tokenizer, model) as converted, as read back, and the entry."""
+    gguf = embedded_path()  # before the cache moves: the file stays where it is
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("METASD_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        gguf = embedded_path()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         entry = converted_entry(gguf)
-        assert read_converted(entry, "float32") is None  # nothing written yet
-        save_converted(entry, tokenizer, model, "float32")
-        yield (tokenizer, model), read_converted(entry, "float32"), entry
+        assert read_converted(entry, torch.float32) is None  # nothing written yet
+        save_converted(entry, tokenizer, model, torch.float32)
+    return (tokenizer, model), read_converted(entry, torch.float32), entry, gguf
 
 
 def test_a_model_read_back_from_its_conversion_is_the_one_the_gguf_file_gives(converted):
-    (tokenizer, model), (tokenizer_back, model_back), _ = converted
+    (tokenizer, model), (tokenizer_back, model_back), _, _ = converted
     weights, back = model.state_dict(), model_back.state_dict()
     assert weights.keys() == back.keys()
     assert all(torch.equal(weights[k], back[k]) for k in weights)
@@ -40,8 +39,12 @@ def test_a_model_read_back_from_its_conversion_is_the_one_the_gguf_file_gives(co
     assert model.generation_config.to_dict() == model_back.generation_config.to_dict()
     assert model.hf_quantizer is not None  # saving left the model it saved as it was
     assert tokenizer.get_vocab() == tokenizer_back.get_vocab()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "all_special_ids", "padding_side"):
+        assert getattr(tokenizer, name) == getattr(tokenizer_back, name), name
     for text in TEXTS:
-        assert tokenizer(text)["input_ids"] == tokenizer_back(text)["input_ids"]
+        ids = tokenizer(text)["input_ids"]
+        assert ids == tokenizer_back(text)["input_ids"]
+        assert tokenizer.decode(ids, skip_special_tokens=True) == tokenizer_back.decode(ids, skip_special_tokens=True)
     chat = [{"role": "user", "content": TEXTS[2]}]
     assert tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == (
         tokenizer_back.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
@@ -51,24 +54,40 @@ def test_a_model_read_back_from_its_conversion_is_the_one_the_gguf_file_gives(co
         assert torch.equal(model(ids).logits, model_back(ids).logits)
 
 
-def test_a_copy_that_cannot_be_read_is_removed_and_an_edited_file_gets_a_new_entry(converted, tmp_path, monkeypatch):
-    (tokenizer, model), _, entry = converted
+def test_load_model_and_load_tokenizer_read_the_conversion(converted, monkeypatch):
+    _, _, entry, gguf = converted
+    monkeypatch.setenv("METASD_EMBEDDED_GGUF", str(gguf))
     monkeypatch.setenv("METASD_CACHE_DIR", str(entry.parent.parent))
-    (entry / "float32" / "model.safetensors").write_bytes(b"cut short")
-    assert read_converted(entry, "float32") is None and not entry.exists()
+    monkeypatch.setattr(loading, "_cache", {})  # this process's models: the embedded one is not loaded again
+    loaded = loading.load_model()
+    assert loaded.model.name_or_path == str(entry / "float32")
+    assert loading.load_tokenizer().name_or_path == str(entry / TOKENIZER)
+
+
+def test_a_copy_that_cannot_be_read_is_removed_and_an_edited_file_gets_a_new_entry(converted, tmp_path, monkeypatch):
+    (tokenizer, model), _, entry, _ = converted
+    monkeypatch.setenv("METASD_CACHE_DIR", str(entry.parent.parent))
+    weights = entry / "float32" / "model.safetensors"
+    weights.unlink()  # a new file where the read-back model may still map the old one
+    weights.write_bytes(b"cut short")
+    assert read_converted(entry, torch.float32) is None and not (entry / "float32").exists()
+    assert (entry / TOKENIZER).is_dir()  # the part that reads stays
 
     gguf = tmp_path / "model.gguf"  # entries are named by the file's path, size and time, not its contents
     gguf.write_bytes(b"first")
     first = converted_entry(gguf)
-    save_converted(first, tokenizer, model, "float32")
+    save_converted(first, tokenizer, model, torch.float32)
     assert (first / TOKENIZER).is_dir() and (first / "float32" / "config.json").is_file()
-    os.utime(gguf, ns=(1, 1))
+    gguf.write_bytes(b"edited")
     second = converted_entry(gguf)
     assert second != first
-    save_converted(second, tokenizer, model, "float32")
+    save_converted(second, tokenizer, model, torch.float32)
     assert (second / "float32").is_dir() and not first.exists()
 
 
-def test_the_cache_can_be_turned_off(monkeypatch):
+def test_the_cache_can_be_turned_off(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"weights")
+    assert converted_entry(gguf) is not None
     monkeypatch.setenv("METASD_GGUF_CACHE", "off")
-    assert converted_entry(embedded_path()) is None
+    assert converted_entry(gguf) is None

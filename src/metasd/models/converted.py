@@ -6,9 +6,9 @@ in Python) three times, for the config, the tokenizer and the weights, and then 
 `metasd` command's start-up on the embedded model. The first load saves what it built under the cache
 (`embedded.cache_dir()` / converted): the tokenizer, and per dtype the config, the generation config and the weights
 as loaded (safetensors). A model read back from there is the same model, bit for bit, and the same tokenizer; later
-loads of the file read that instead. The entry is named by the file (its path, size and modification time) and the
-versions of transformers and gguf that converted it, so an edited file or an upgrade converts again, and replaces
-the older entry of the same path. `METASD_GGUF_CACHE=off` converts at every load and saves nothing.
+loads of the file read that instead. An entry is named by the file (its path, size and modification time) and the
+versions of transformers and gguf that converted it: an edited file converts again and its older entries go; an
+entry of other versions stays for the environment that has them. `METASD_GGUF_CACHE=off` converts at every load.
 """
 
 from __future__ import annotations
@@ -20,19 +20,24 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import torch
 
 from .embedded import cache_dir
 
 log = logging.getLogger(__name__)
 
 TOKENIZER = "tokenizer"  # an entry's tokenizer, beside one directory per dtype
+STALE_SECONDS = 3600  # a part written aside this long ago belonged to a process that died while writing it
 
 
 def converted_entry(gguf: Path) -> Path | None:
     """The cache entry of a GGUF file, whether written yet or not (None: the cache is off, or the file cannot be
-    read): tokenizer/ and one directory per dtype."""
+    read): tokenizer/ and one directory per dtype. Its name: the file's stem, a hash of its path, of its size and
+    modification time, and of the converting versions."""
     if os.environ.get("METASD_GGUF_CACHE", "").strip().lower() in ("off", "0", "false", "no"):
         return None
     try:
@@ -40,69 +45,99 @@ def converted_entry(gguf: Path) -> Path | None:
         stat = path.stat()
     except OSError:
         return None
-    place = hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    what = f"{stat.st_size}:{stat.st_mtime_ns}:{_version('transformers')}:{_version('gguf')}"
-    return cache_dir() / "converted" / f"{path.stem}-{place}-{hashlib.sha256(what.encode()).hexdigest()[:16]}"
+    versions = f"{_version('transformers')}:{_version('gguf')}"
+    parts = (str(path), f"{stat.st_size}:{stat.st_mtime_ns}", versions)
+    return cache_dir() / "converted" / "-".join([path.stem[:64], *(_digest(p) for p in parts)])
 
 
-def save_converted(entry: Path, tokenizer, model, dtype: str) -> None:
+def read_converted_tokenizer(entry: Path | None):
+    """The tokenizer an entry holds, else None (none written, or one that cannot be read, which is removed)."""
+    if entry is None or not (entry / TOKENIZER).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return _read(entry / TOKENIZER, AutoTokenizer.from_pretrained)
+
+
+def read_converted(entry: Path | None, dtype: torch.dtype):
+    """(tokenizer, model) from an entry holding both for `dtype`, else None; a part that cannot be read (cut short,
+    written by a process that died) is removed, and the file is converted again."""
+    where = None if entry is None else entry / _dtype_name(dtype)
+    if where is None or not where.is_dir() or (tokenizer := read_converted_tokenizer(entry)) is None:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    model = _read(where, lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+    return None if model is None else (tokenizer, model)
+
+
+def save_converted(entry: Path, tokenizer, model, dtype: torch.dtype) -> None:
     """Write what a GGUF load built into `entry` (each part whole or not at all: written aside, then renamed into
-    place) and remove older entries of the same path. A cache that cannot be written costs the next load its
-    conversion again, never this one its model."""
+    place), and remove the entries of the file's earlier contents. A cache that cannot be written costs the next
+    load its conversion again, never this one its model."""
     try:
         entry.mkdir(parents=True, exist_ok=True)
-        if not (entry / TOKENIZER).is_dir():
-            _write(entry / TOKENIZER, tokenizer.save_pretrained)
-        if not (entry / dtype).is_dir():
-            _write(entry / dtype, lambda where: _save_dequantized(model, where))
-            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file()) / 1e9
+        _remove_stale(entry)
+        _write(entry / TOKENIZER, tokenizer.save_pretrained)
+        if _write(entry / _dtype_name(dtype), lambda where: _save_dequantized(model, where)):
+            size = sum(f.stat().st_size for f in (entry / _dtype_name(dtype)).iterdir()) / 1e9
             print(
                 f"metasd: kept the model converted from its GGUF file ({size:.1f} GB) in {entry}, so that later loads "
                 "read it (METASD_GGUF_CACHE=off: convert at every load instead)",
                 file=sys.stderr,
             )
-        same_path = entry.name.rsplit("-", 1)[0] + "-"
-        for older in entry.parent.iterdir():
-            if older.name.startswith(same_path) and older != entry:
-                shutil.rmtree(older, ignore_errors=True)
+        stem, path, contents, versions = entry.name.rsplit("-", 3)
+        for other in entry.parent.iterdir():  # the same path with other contents, converted by these versions
+            if other.name.startswith(f"{stem}-{path}-") and other.name.endswith(f"-{versions}") and other != entry:
+                shutil.rmtree(other, ignore_errors=True)
     except Exception as err:  # noqa: BLE001 - a full disk or a read-only cache must not fail the load itself
-        log.warning("could not cache the converted model in %s: %s", entry, err)
+        log.warning("could not keep the converted model in %s (%s); METASD_GGUF_CACHE=off skips it", entry, err)
 
 
-def read_converted(entry: Path | None, dtype: str):
-    """(tokenizer, model) from a cache entry holding both, else None; an entry that cannot be read (cut short, written
-    by another version) is removed, and the file is converted again."""
-    if entry is None or not (entry / TOKENIZER).is_dir() or not (entry / dtype).is_dir():
-        return None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _read(where: Path, load):
     try:
-        tokenizer = AutoTokenizer.from_pretrained(entry / TOKENIZER)
-        return tokenizer, AutoModelForCausalLM.from_pretrained(entry / dtype, dtype=getattr(torch, dtype))
+        return load(where)
+    except (MemoryError, PermissionError):
+        raise
     except Exception as err:  # noqa: BLE001 - whatever is wrong with the copy, the GGUF file is still there
-        log.warning("the converted model in %s cannot be read (%s): converting the GGUF file again", entry, err)
-        shutil.rmtree(entry, ignore_errors=True)
+        log.warning("the converted copy in %s cannot be read (%s): converting the GGUF file again", where, err)
+        shutil.rmtree(where, ignore_errors=True)
         return None
 
 
-def _write(final: Path, save) -> None:
+def _write(final: Path, save) -> bool:
+    """Save into a directory beside `final`, then rename it into place; False where it was already there (written
+    before, or by another process first)."""
+    if final.is_dir():
+        return False
     aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         save(aside)
-        os.replace(aside, final)  # another process that wrote it first: its copy stays, this one goes
+        aside.chmod(0o755)  # mkdtemp's 0700 would hide the copy from the other users of a shared cache
+        os.replace(aside, final)
+        return True
     except OSError:
         if not final.is_dir():
             raise
+        return False
     finally:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove_stale(entry: Path) -> None:
+    """Parts written aside by a process that died before renaming them (hours old), which nothing else removes."""
+    for aside in entry.glob(".*-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - aside.stat().st_mtime > STALE_SECONDS:
+                shutil.rmtree(aside, ignore_errors=True)
 
 
 def _save_dequantized(model, where: Path) -> None:
     """`save_pretrained` of a model transformers loaded from a GGUF file: it refuses while the model carries the
     GGUF quantizer, though the weights it holds are plain dequantized tensors; saved without it, the directory
     loads as an ordinary checkpoint. The model itself is left as it was."""
-    quantizer, quantization = model.hf_quantizer, model.config.__dict__.pop("quantization_config", None)
+    quantizer = getattr(model, "hf_quantizer", None)
+    quantization = model.config.__dict__.pop("quantization_config", None)
     model.hf_quantizer = None
     try:
         model.save_pretrained(where)
@@ -110,6 +145,14 @@ def _save_dequantized(model, where: Path) -> None:
         model.hf_quantizer = quantizer
         if quantization is not None:
             model.config.quantization_config = quantization
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _version(package: str) -> str:

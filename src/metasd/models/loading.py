@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import attention  # noqa: F401  (registers the `sdpa` attention every model reads: grouped queries on a CPU)
-from .converted import TOKENIZER, converted_entry, read_converted, save_converted
+from .converted import converted_entry, read_converted, read_converted_tokenizer, save_converted
 from .embedded import embedded_path
 
 EMBEDDED = "embedded"
@@ -99,6 +99,11 @@ def _locate(spec: str) -> tuple[str, dict]:
     return spec, {}  # a hub id; from_pretrained reads the local cache when HF_HUB_OFFLINE=1
 
 
+def _entry(name: str, kwargs: dict) -> Path | None:
+    """Where a GGUF file's conversion is kept (`converted`); None for any other model, or with the cache off."""
+    return converted_entry(Path(name) / kwargs["gguf_file"]) if "gguf_file" in kwargs else None
+
+
 _cache: dict[tuple[str, str, str], LoadedModel] = {}
 _lock = threading.Lock()
 
@@ -119,8 +124,8 @@ def load_model(spec: str | None = None, dtype: str = "float32", device: str = "a
 
         transformers.utils.logging.disable_progress_bar()
 
-        entry = converted_entry(Path(name) / kwargs["gguf_file"]) if "gguf_file" in kwargs else None
-        converted = read_converted(entry, dtype)  # a GGUF file's model as its first load saved it
+        entry = _entry(name, kwargs)
+        converted = read_converted(entry, DTYPES[dtype])  # a GGUF file's model as its first load saved it
         try:
             if "gguf_file" not in kwargs:  # refuse before reading the weights (a GGUF is checked once loaded)
                 from transformers import AutoConfig
@@ -134,7 +139,7 @@ def load_model(spec: str | None = None, dtype: str = "float32", device: str = "a
             raise ValueError(f"cannot load model {spec!r}: {err}") from err
         check_full_attention(model.config, spec)
         if entry is not None and converted is None:
-            save_converted(entry, tokenizer, model, dtype)
+            save_converted(entry, tokenizer, model, DTYPES[dtype])
         model.to(where).eval()
         loaded = LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
         _cache[key] = loaded
@@ -180,9 +185,9 @@ def load_tokenizer(spec: str | None = None) -> object:
     from transformers import AutoTokenizer
 
     name, kwargs = _locate(spec)
-    entry = converted_entry(Path(name) / kwargs["gguf_file"]) if "gguf_file" in kwargs else None
-    if entry is not None and (entry / TOKENIZER).is_dir():
-        name, kwargs = str(entry / TOKENIZER), {}
+    converted = read_converted_tokenizer(_entry(name, kwargs))
+    if converted is not None:
+        return converted
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError, KeyError) as err:
