@@ -123,6 +123,23 @@ def test_probabilities_match_transformers_warpers(temperature, top_k, top_p):
     assert torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_a_tie_at_the_kth_logit_keeps_every_tied_token_as_transformers_does(top_p):
+    """Top-k keeps every logit not below the k-th largest: three tokens tied there all stay (k likeliest alone
+    would keep one of them), and a nucleus reaching past them keeps them all too."""
+    logits = torch.full((2, 300), -2.0)
+    logits[:, [7, 40, 41, 42]] = torch.tensor([4.0, 2.5, 2.5, 2.5])
+    logits[1, 9] = 3.0  # the second row has no tie at its k-th
+    scores = TopKLogitsWarper(2)(None, TemperatureLogitsWarper(0.7)(None, logits.clone()))
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    want = torch.softmax(scores, dim=-1)
+    got = probabilities(logits, SamplingParams(0.7, 2, top_p))
+    assert torch.equal(got > 0, want > 0)
+    assert int((got[0] > 0).sum()) == 4 and int((got[1] > 0).sum()) == 2
+    assert torch.allclose(got, want, atol=1e-6)
+
+
 @pytest.mark.parametrize("scale", [8.0, 1.0, 0.05])
 def test_a_nucleus_looked_for_among_the_likeliest_tokens_is_the_full_sorts(scale):
     """Peaked rows find their nucleus among the first tokens looked at, flat ones only after growing to the whole

@@ -48,17 +48,26 @@ class SamplingParams:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Rows of logits [n, V] -> rows of probabilities [n, V] under temperature, top-k and top-p.
+    """Rows of logits [n, V] -> rows of probabilities [n, V] under temperature, top-k and top-p (transformers'
+    warpers in that order: every logit not below the k-th largest, then the smallest set of the likeliest whose mass
+    reaches top_p).
 
     Greedy decoding gets the plain temperature-1 softmax: a model drafter's confidence and its argmax come from it,
-    and top-k / top-p cannot change an argmax, so the filters are skipped.
+    and top-k / top-p cannot change an argmax, so the filters are skipped. With top-k, the k likeliest are all that
+    is computed on (`torch.topk` once, then softmax and nucleus over k values, scattered back), unless a tie at the
+    k-th value keeps more than k in.
     """
     logits = logits.float()
     if params.greedy:
         return torch.softmax(logits, dim=-1)
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        top, order = torch.topk(logits, params.top_k, dim=-1)  # descending
+        kth = top[..., -1:]
+        if not bool(((logits >= kth).sum(-1) > params.top_k).any()):
+            top = torch.softmax(top, dim=-1)
+            kept = _nucleus_of_sorted(top, params.top_p) if params.top_p < 1.0 else top
+            return torch.zeros_like(logits).scatter_(-1, order, kept)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
@@ -70,8 +79,8 @@ NUCLEUS_FIRST = 64  # the likeliest tokens a top-p nucleus is first looked for a
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Each row kept to the smallest set of its likeliest tokens whose mass reaches top_p, renormalised; the most
-    likely token always stays, whatever top_p rounds to, so a row never becomes all zeros (NaN after normalising).
+    """Each row kept to the smallest set of its likeliest tokens whose mass reaches top_p, renormalised
+    (`_nucleus_of_sorted`).
 
     The nucleus is looked for among the `NUCLEUS_FIRST` likeliest tokens (`torch.topk`), four times as many while
     some row's mass falls short, instead of sorting the whole vocabulary (tens of milliseconds a round on CPU for a
@@ -83,17 +92,22 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     while True:
         whole = width == probs.shape[-1]
         top, order = torch.sort(probs, dim=-1, descending=True) if whole else torch.topk(probs, width, dim=-1)
-        mass = top.cumsum(-1)
-        if width == support or bool((mass[..., -1] >= top_p).all()):
+        if width == support or bool((top.cumsum(-1)[..., -1] >= top_p).all()):
             break
         width = min(4 * width, support)
         if 8 * width > probs.shape[-1]:  # a flat row: one sort beats growing further
             width = support
-    keep_sorted = mass - top < top_p  # the mass before each token, in descending order
-    keep_sorted[..., 0] = True
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
-    probs = probs.masked_fill(~keep, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, _nucleus_of_sorted(top, top_p))
+
+
+def _nucleus_of_sorted(top: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Rows of probabilities in descending order -> each row's shortest prefix whose mass reaches top_p,
+    renormalised, zeros after it; the first token always stays, whatever top_p rounds to, so a row never becomes
+    all zeros (NaN after normalising)."""
+    keep = top.cumsum(-1) - top < top_p  # the mass before each token
+    keep[..., 0] = True
+    kept = top * keep
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
