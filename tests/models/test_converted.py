@@ -7,7 +7,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import metasd.models.loading as loading
-from metasd.models.converted import TOKENIZER, converted_entry, read_converted, save_converted
+from metasd.models.converted import (
+    TOKENIZER,
+    converted_entry,
+    read_converted,
+    read_converted_tokenizer,
+    save_converted,
+)
 from metasd.models.embedded import embedded_path
 
 TEXTS = ["Hello world", " leading space\n\nnew lines\ttab", "é 中文 🙂 def f(x):\n    return x"]
@@ -62,6 +68,17 @@ def test_load_model_and_load_tokenizer_read_the_conversion(converted, monkeypatc
     loaded = loading.load_model()
     assert loaded.model.name_or_path == str(entry / "float32")
     assert loading.load_tokenizer().name_or_path == str(entry / TOKENIZER)
+
+
+def test_a_copy_this_process_may_not_read_stays_for_those_who_may(converted, monkeypatch):
+    _, _, entry, _ = converted
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refused)
+    assert read_converted_tokenizer(entry) is None  # the file is converted instead
+    assert (entry / TOKENIZER).is_dir()
 
 
 def test_a_copy_that_cannot_be_read_is_removed_and_an_edited_file_gets_a_new_entry(converted, tmp_path, monkeypatch):

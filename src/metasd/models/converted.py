@@ -95,13 +95,16 @@ def save_converted(entry: Path, tokenizer, model, dtype: torch.dtype) -> None:
 
 
 def _read(where: Path, load):
+    """What `load` reads from a part, else None: the GGUF file is converted instead. A part this process may not
+    read (another user's) stays for those who may; any other failure (cut short, corrupt) removes it."""
     try:
         return load(where)
-    except (MemoryError, PermissionError):
+    except MemoryError:
         raise
     except Exception as err:  # noqa: BLE001 - whatever is wrong with the copy, the GGUF file is still there
         log.warning("the converted copy in %s cannot be read (%s): converting the GGUF file again", where, err)
-        shutil.rmtree(where, ignore_errors=True)
+        if not isinstance(err, PermissionError):
+            shutil.rmtree(where, ignore_errors=True)
         return None
 
 
