@@ -79,16 +79,17 @@ def save_converted(entry: Path, tokenizer, model, dtype: torch.dtype) -> None:
         entry.mkdir(parents=True, exist_ok=True)
         _remove_stale(entry)
         _write(entry / TOKENIZER, tokenizer.save_pretrained)
-        if _write(entry / _dtype_name(dtype), lambda where: _save_dequantized(model, where)):
-            size = sum(f.stat().st_size for f in (entry / _dtype_name(dtype)).iterdir()) / 1e9
+        part = entry / _dtype_name(dtype)
+        if _write(part, lambda where: _save_dequantized(model, where)):
+            size = sum(f.stat().st_size for f in part.iterdir()) / 1e9
             print(
                 f"metasd: kept the model converted from its GGUF file ({size:.1f} GB) in {entry}, so that later loads "
                 "read it (METASD_GGUF_CACHE=off: convert at every load instead)",
                 file=sys.stderr,
             )
-        stem, path, contents, versions = entry.name.rsplit("-", 3)
+        same_path, _, versions = entry.name.rsplit("-", 2)
         for other in entry.parent.iterdir():  # the same path with other contents, converted by these versions
-            if other.name.startswith(f"{stem}-{path}-") and other.name.endswith(f"-{versions}") and other != entry:
+            if other.name.startswith(f"{same_path}-") and other.name.endswith(f"-{versions}") and other != entry:
                 shutil.rmtree(other, ignore_errors=True)
     except Exception as err:  # noqa: BLE001 - a full disk or a read-only cache must not fail the load itself
         log.warning("could not keep the converted model in %s (%s); METASD_GGUF_CACHE=off skips it", entry, err)
