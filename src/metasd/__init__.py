@@ -1,22 +1,48 @@
-"""metasd: lossless multi-drafter speculative decoding with bandit drafter selection (MetaSD)."""
+"""metasd: lossless multi-drafter speculative decoding with bandit drafter selection (MetaSD).
 
-from .drafters import Draft, Drafter, build_drafter
-from .engine import Decoder, Generation
-from .hf import generate
-from .policy import Policy, build_policy
-from .sampling import SamplingParams
-from .stats import GenerationResult, GenerationStats
+The public names load on first use (PEP 562), so that `import metasd.cli` and `metasd --help` load no torch."""
 
-__all__ = [
-    "Decoder",
-    "Draft",
-    "Drafter",
-    "Generation",
-    "GenerationResult",
-    "GenerationStats",
-    "Policy",
-    "SamplingParams",
-    "build_drafter",
-    "build_policy",
-    "generate",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names as type checkers and editors see them
+    from .drafters import Draft as Draft
+    from .drafters import Drafter as Drafter
+    from .drafters import build_drafter as build_drafter
+    from .engine import Decoder as Decoder
+    from .engine import Generation as Generation
+    from .hf import generate as generate
+    from .policy import Policy as Policy
+    from .policy import build_policy as build_policy
+    from .sampling import SamplingParams as SamplingParams
+    from .stats import GenerationResult as GenerationResult
+    from .stats import GenerationStats as GenerationStats
+
+_HOMES = {
+    "Decoder": ".engine",
+    "Draft": ".drafters",
+    "Drafter": ".drafters",
+    "Generation": ".engine",
+    "GenerationResult": ".stats",
+    "GenerationStats": ".stats",
+    "Policy": ".policy",
+    "SamplingParams": ".sampling",
+    "build_drafter": ".drafters",
+    "build_policy": ".policy",
+    "generate": ".hf",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'metasd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,3 +175,24 @@ def test_learning_options_make_the_learning_config():
     config = learning_config(parser.parse_args(["--learn-heads", "d", "--learn-every", "64", "--learn-when-busy"]))
     assert config.when_busy and config.train_every == 64
     assert not learning_config(parser.parse_args(["--learn-heads", "d"])).when_busy
+
+
+def test_parsing_any_command_line_loads_no_model_code():
+    """`metasd --help`, every subcommand's help and an argument error answer without importing torch or
+    transformers (seconds on a small CPU): each subcommand imports what it runs only when it runs. A fresh
+    interpreter, since this one has loaded both."""
+    script = """
+import contextlib, io, sys
+from metasd.cli import build_parser
+parser = build_parser()
+commands = next(a for a in parser._actions if a.dest == "command").choices
+for argv in (["--help"], *[[c, "--help"] for c in commands], ["generate", "--max-new-tokens", "x"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            pass
+print(len(commands), sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["8", "[]"]

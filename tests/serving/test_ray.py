@@ -28,7 +28,7 @@ def local_ray():
 
 
 def _cfg(questions_path: Path, out: Path):
-    from metasd.bench import BenchConfig
+    from metasd.bench.config import BenchConfig
 
     return BenchConfig(
         questions=questions_path,
@@ -57,7 +57,7 @@ def _answers(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process(questions_path: Path, tmp_path_factory) -> tuple[dict, Path]:
-    from metasd.bench import run_bench
+    from metasd.bench.run import run_bench
 
     out = tmp_path_factory.mktemp("one")
     return run_bench(_cfg(questions_path, out)), out

@@ -6,8 +6,3 @@ oracle and regret; metrics.py the arithmetic; summary.py, answers.py, report.py 
 config.py holds the settings, worker.py measures whole questions, run.py ties them together, distributed.py shards
 them over Ray (cluster.py) or resumes them (partial.py), and `metasd.cli.bench` parses the subcommand.
 """
-
-from .config import BenchConfig
-from .run import run_bench
-
-__all__ = ["BenchConfig", "run_bench"]

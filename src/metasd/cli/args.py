@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..drafters import DEFAULT_POOL, DRAFTER_KINDS
-from ..policy import DEFAULT_POLICY, POLICY_NAMES
+from ..names import DEFAULT_POLICY, DEFAULT_POOL, DRAFTER_KINDS, POLICY_NAMES
 
 DEFAULT_DRAFTERS = ",".join(DEFAULT_POOL)
 DTYPES = ("float32", "bfloat16", "float16")

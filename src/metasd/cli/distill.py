@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..specialists.distill import distill
 from .args import add_target_arg, set_threads
 
 
@@ -42,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Run `metasd distill` with the parsed arguments."""
+    from ..specialists.distill import distill
+
     set_threads(args.threads)
     report = distill(
         args.target,

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..specialists.index import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, build_index, corpus_files, load_tokenizer
+from ..specialists.corpus_files import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, corpus_files
 from .args import add_target_arg
 
 
@@ -43,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Run `metasd index` with the parsed arguments."""
+    from ..specialists.index import build_index, load_tokenizer
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     include, exclude = tuple(args.include or DEFAULT_INCLUDE), tuple(args.exclude or DEFAULT_EXCLUDE)
     if args.depth < 1:

@@ -7,6 +7,7 @@ import torch
 from ..draft import Draft
 from ..models.int8_weights import WEIGHTS, split_weights
 from ..models.loading import LoadedModel, adopt_model, load_model, same_tokenizer
+from ..names import DEFAULT_POOL, DRAFTER_KINDS
 from .base import Drafter
 from .datastore import DatastoreDrafter, load_datastore
 from .eagle import build_eagle, shipped_head
@@ -14,18 +15,6 @@ from .early_exit import EarlyExitDrafter
 from .lm import ModelDrafter
 from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
-
-DRAFTER_KINDS = (
-    "eagle[:HEAD_DIR][:WEIGHTS]",
-    "ngram[:MAX_N]",
-    "suffix[:DEPTH]",
-    "early-exit[:LAYERS]",
-    "lm:MODEL[:WEIGHTS]",
-    "datastore:PATH",
-)
-# The pool of `generate`, `serve`, `bench` and `Decoder` when none is given: the EAGLE head shipped for the target
-# (where metasd ships one: `default_pool` drops it otherwise) and the model-free copy drafters (docs/decisions.md).
-DEFAULT_POOL = ("eagle", "ngram", "suffix")
 
 __all__ = [
     "DEFAULT_POOL",

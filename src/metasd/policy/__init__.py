@@ -1,5 +1,6 @@
 """Drafter-selection policies: the paper's bandits, metasd-adaptive, and the registry that builds them by name."""
 
+from ..names import DEFAULT_POLICY, POLICY_NAMES
 from .adaptive import AdaptivePolicy
 from .bandits import (
     EXP3,
@@ -12,7 +13,7 @@ from .bandits import (
     SlidingWindowUCB,
 )
 from .base import ArmStats, Policy
-from .registry import DEFAULT_POLICY, MAX_BETA, MAX_BUDGET, POLICY_NAMES, build_policy, canonical_policy
+from .registry import MAX_BETA, MAX_BUDGET, build_policy, canonical_policy
 
 __all__ = [
     "DEFAULT_POLICY",

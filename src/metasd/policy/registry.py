@@ -1,33 +1,16 @@
-"""Policy names as the CLI, the server and the benchmark spell them (`base` or `base:PARAM`), and the one
-function that builds them."""
+"""The one function that builds a policy from its name as the CLI, the server and the benchmark spell it (`base` or
+`base:PARAM`; the names are in `metasd.names`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
+from ..names import POLICY_NAMES
 from . import adaptive
 from .bandits import EXP3, UCB, DiscountedUCB, Fixed, RandomPolicy, RoundRobin, SequentialHalving, SlidingWindowUCB
 from .base import Policy
 
-DEFAULT_POLICY = "metasd-adaptive"
-
-POLICY_NAMES: tuple[str, ...] = (
-    "metasd-ucb",
-    "metasd-ucb-cost",
-    "metasd-fi",
-    "metasd-adaptive",
-    "ducb",
-    "swucb",
-    "ducb-cost",
-    "swucb-cost",
-    "ucb-be",
-    "exp3",
-    "sequential-halving",
-    "random",
-    "round-robin",
-    "none",
-)
 _UCB_REWARDS = {"metasd-ucb": "bd", "metasd-ucb-cost": "bd-cost", "metasd-fi": "be-cost", "ucb-be": "be"}
 # beta 1 is the paper's. Ours default to 0.1: a request is only some tens of rounds and the gaps between drafters'
 # mean rewards are small next to beta 1's bonus, so beta 1 spends most of a request exploring a slow drafter

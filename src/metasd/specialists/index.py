@@ -16,9 +16,7 @@ NumPy argsort over (rank[i], rank[i + h]) pairs packed into one int64): vectoris
 
 from __future__ import annotations
 
-import fnmatch
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,37 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from ..drafters.datastore import FORMAT, SA_DTYPE, SEP, TOKENS_DTYPE, VERSION, tokenizer_fingerprint
+from .corpus_files import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, corpus_files
 
-DEFAULT_INCLUDE = (
-    "*.py",
-    "*.pyi",
-    "*.txt",
-    "*.md",
-    "*.rst",
-    "*.jsonl",
-    "*.json",
-    "*.c",
-    "*.h",
-    "*.cpp",
-    "*.js",
-    "*.ts",
-    "*.java",
-    "*.go",
-    "*.rs",
-    "*.sh",
-    "*.tex",
-)
-DEFAULT_EXCLUDE = (
-    "site-packages",
-    "dist-packages",
-    "__pycache__",
-    ".git",
-    ".hg",
-    ".svn",
-    "node_modules",
-    ".venv",
-    "*.egg-info",
-)
 CHUNK_CHARS = 1 << 20
 _PAIR_FIELDS = ("system", "instruction", "prompt", "question", "input", "response", "output", "answer", "completion")
 _ROLES = {
@@ -83,31 +52,6 @@ def load_tokenizer(spec: str | None):
         return AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"cannot load the tokenizer of {spec!r}: {err}") from err
-
-
-def corpus_files(paths: list[str], include: tuple[str, ...], exclude: tuple[str, ...]) -> list[Path]:
-    """The files to index: each path that is a file, and under each directory, in sorted order, the files whose
-    names match an `include` glob, skipping names and directories that match an `exclude` one."""
-    out: list[Path] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_file():
-            out.append(path)
-        elif path.is_dir():
-            found = []
-            for root, dirs, names in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not any(fnmatch.fnmatch(d, pat) for pat in exclude))
-                for name in sorted(names):
-                    if any(fnmatch.fnmatch(name, pat) for pat in include) and not any(
-                        fnmatch.fnmatch(name, pat) for pat in exclude
-                    ):
-                        found.append(Path(root) / name)
-            if not found:
-                raise ValueError(f"{raw}: no files matching {', '.join(include)}")
-            out.extend(found)
-        else:
-            raise ValueError(f"corpus not found: {raw}")
-    return out
 
 
 def _chat_text(turns: list, tokenizer) -> str | None:
