@@ -76,7 +76,7 @@ LAYERS = [
     ("metasd.cached_model", "metasd.slots", "metasd.costs"),  # a model's caches (one sequence, rows), the costs
     ("metasd.drafters",),
     ("metasd.policy",),
-    ("metasd.drafting", "metasd.engine"),  # one request's round
+    ("metasd.drafting", "metasd.generation", "metasd.engine"),  # one request's round
     ("metasd.batching",),  # many requests' rounds
     ("metasd.hf", "metasd.specialists", "metasd.learning", "metasd.serving"),
     ("metasd.bench",),

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the names as type checkers and editors see them
     from .drafters import Drafter as Drafter
     from .drafters import build_drafter as build_drafter
     from .engine import Decoder as Decoder
-    from .engine import Generation as Generation
+    from .generation import Generation as Generation
     from .hf import generate as generate
     from .policy import Policy as Policy
     from .policy import build_policy as build_policy
@@ -24,7 +24,7 @@ _HOMES = {
     "Decoder": ".engine",
     "Draft": ".drafters",
     "Drafter": ".drafters",
-    "Generation": ".engine",
+    "Generation": ".generation",
     "GenerationResult": ".stats",
     "GenerationStats": ".stats",
     "Policy": ".policy",

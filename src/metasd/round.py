@@ -81,7 +81,7 @@ class RoundState:
 
 
 class RoundRequest(Protocol):
-    """What a round needs of a request in flight (`engine.Generation`)."""
+    """What a round needs of a request in flight (`generation.Generation`)."""
 
     context: list[int]
     target: Any  # its handle in the verifier's cache: the decoder's `CachedModel`, or a batch's row

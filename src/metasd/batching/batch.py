@@ -23,7 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..cached_model import feature_layers_read_by
-from ..engine import OWN_CHOICE, Decoder, Generation
+from ..engine import Decoder
+from ..generation import OWN_CHOICE, Generation
 from ..policy import Policy
 from ..round import run_round
 from ..slots import BatchedTarget, check_batched_logits

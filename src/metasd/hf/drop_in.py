@@ -21,7 +21,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..batching.batch import Batch
 from ..drafters import DEFAULT_POOL
-from ..engine import Decoder, Generation
+from ..engine import Decoder
+from ..generation import Generation
 from ..models.loading import token_ids
 from ..policy import DEFAULT_POLICY
 from ..stats import GenerationStats

@@ -17,7 +17,8 @@ import torch
 
 from ..batching import DEFAULT_PREFILL_SHARE
 from ..batching.batch import Batch
-from ..engine import Decoder, Generation
+from ..engine import Decoder
+from ..generation import Generation
 from .detokenize import IncrementalText
 from .metrics import _Metrics
 from .protocol import ApiError
