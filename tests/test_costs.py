@@ -233,11 +233,11 @@ class Timed(torch.nn.Module):
 def test_after_a_burst_of_slow_forwards_the_policy_chooses_as_before(embedded, monkeypatch):
     """Two decoders see the same requests; in one, another process takes the CPU for a few forwards of the second
     request. Once the machine is quiet again, both choose the same drafts and believe the same T(M)."""
-    import metasd.engine
+    import metasd.generation
     import metasd.round
 
     clock = FakeClock()
-    monkeypatch.setattr(metasd.engine, "time", clock)
+    monkeypatch.setattr(metasd.generation, "time", clock)
     monkeypatch.setattr(metasd.round, "time", clock)  # a round's forward is timed there
     decoders = []
     for slow in (range(0), range(30, 38)):

@@ -70,7 +70,8 @@ def test_argparse_lives_in_the_cli():
 
 # Lowest first: a module may import its own layer's modules and those of the layers below, never one above.
 LAYERS = [
-    ("metasd.names", "metasd.draft", "metasd.sampling", "metasd.stats", "metasd.processors"),  # names, records
+    # names, records, sampling, the OpenMP runtime's threads
+    ("metasd.names", "metasd.draft", "metasd.sampling", "metasd.stats", "metasd.processors", "metasd.openmp"),
     ("metasd.tree", "metasd.outcome"),  # a round's draft tree and what it yielded
     ("metasd.verify", "metasd.round", "metasd.models"),  # acceptance rules, a round's state, loading models
     ("metasd.cached_model", "metasd.slots", "metasd.costs"),  # a model's caches (one sequence, rows), the costs
@@ -86,9 +87,20 @@ LAYERS = [
 
 
 def layer(module: str) -> int:
-    matches = [i for i, names in enumerate(LAYERS) for name in names if module == name or module.startswith(name + ".")]
+    """The layer of the longest name in LAYERS that is the module or a package holding it."""
+    matches = [
+        (len(name), i)
+        for i, names in enumerate(LAYERS)
+        for name in names
+        if module == name or module.startswith(name + ".")
+    ]
     assert matches, f"{module} is in no layer: add it to LAYERS"
-    return max(matches)
+    return max(matches)[1]
+
+
+def test_each_module_is_in_its_own_layer_not_the_packages():
+    assert layer("metasd.draft") == 0 and layer("metasd.generation") == layer("metasd.engine") == 6
+    assert layer("metasd.cli.generate") == layer("metasd.cli") == len(LAYERS) - 2 and layer("metasd") == len(LAYERS) - 1
 
 
 def test_no_module_imports_upward():
@@ -138,3 +150,15 @@ def test_public_classes_and_functions_have_docstrings():
     for module, tree in sorted(trees.items()):
         walk(module, tree.body, None)
     assert not missing, f"{len(missing)} public names without a docstring:\n" + "\n".join(missing)
+
+
+def test_every_public_name_resolves_where_it_is_defined():
+    """`metasd.X` for each name of `__all__` (imported on first use) is the object its module defines."""
+    import importlib
+
+    import metasd
+
+    for name in metasd.__all__:
+        value = getattr(metasd, name)
+        assert importlib.import_module(value.__module__) is not None and getattr(value, "__name__", name) == name
+    assert set(metasd.__all__) <= set(dir(metasd))

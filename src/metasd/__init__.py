@@ -37,11 +37,17 @@ __all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> object:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'metasd' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
-    globals()[name] = value  # later reads skip this function
-    return value
+    """A public name, or a subpackage read as an attribute (`metasd.hf`, as when the package imported them all)."""
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+        globals()[name] = value  # later reads skip this function
+        return value
+    try:
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 def __dir__() -> list[str]:

@@ -13,7 +13,7 @@ import torch
 from helpers import chi2, chi2_bound
 from test_sampling_distribution import DRAWS, PARAMS, PROMPT, _decoder, exact_pairs
 
-import metasd.engine as engine
+import metasd.generation as generation
 from metasd import Decoder
 from metasd.batching.batch import Batch
 from metasd.batching.decision import Plan, decide
@@ -156,7 +156,7 @@ def test_a_batch_that_cannot_gain_from_drafting_skips_the_proposals(decoder, alo
     _priced(batch, lambda size, max_width: [0.03 * w * w for w in range(1, max_width + 1)])
     asked = Counter()
     for name in ("free_proposals", "options"):
-        owner = engine if name == "free_proposals" else AdaptivePolicy
+        owner = generation if name == "free_proposals" else AdaptivePolicy
         original = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _f=original, _n=name, **kw: asked.update([_n]) or _f(*a, **kw))
     requests = [decoder.stream(p, max_new_tokens=40) for p in PROMPTS[3:]]
