@@ -227,7 +227,8 @@ def main() -> None:
     if not args.no_install and any(d in PACKAGES for d in domains):
         pip_install(*(PACKAGES[d] for d in domains if d in PACKAGES))
 
-    from metasd.specialists.index import build_index, load_tokenizer
+    from metasd.models.loading import load_tokenizer
+    from metasd.specialists.index import build_index
 
     tokenizer = load_tokenizer(args.target)
     rng = random.Random(0)

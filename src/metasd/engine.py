@@ -17,6 +17,7 @@ from .costs import CostModel, calibrated
 from .drafters import DEFAULT_POOL, Drafter, default_pool, parse_drafters, pool_entry
 from .drafters.base import StoppableDrafter
 from .generation import Generation
+from .models.chat import chat_prompt_ids
 from .models.linear_kernels import KERNEL_MODES
 from .models.loading import LoadedModel, adopt_model, dtype_name, load_model
 from .policy import DEFAULT_POLICY, Policy, build_policy, canonical_policy
@@ -117,8 +118,7 @@ class Decoder:
             return list(prompt)
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt):
             raise ValueError("chat messages must be objects with 'role' and string 'content'")
-        text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt_ids(self.tokenizer, prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids as text (special tokens left out)."""

@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import greedy_reference
 
-from metasd.specialists.distill import distill, prompt_messages, read_prompts
+from metasd.specialists.distill import distill
+from metasd.specialists.prompts import chat_turn, prompt_messages, read_prompts
 
 
 def test_prompt_formats(tmp_path):
@@ -25,6 +26,16 @@ def test_prompt_formats(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"nothing": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         read_prompts(bad)
+
+
+def test_every_reader_of_chats_names_a_speaker_alike():
+    """Prompts, datastores and EAGLE texts read a turn through `chat_turn`: the user and the system by their names,
+    any other speaker as the one answering, a turn without a speaker as the user's."""
+    turns = [{"from": "human", "value": "a"}, {"from": "bard", "value": "b"}, {"role": "System", "content": "c"}, {}]
+    assert [chat_turn(t) for t in turns] == [("user", "a"), ("assistant", "b"), ("system", "c"), ("user", None)]
+    assert prompt_messages({"conversations": [{"from": "human", "value": "Q?"}, {"from": "llama", "value": "A"}]}) == [
+        {"role": "user", "content": "Q?"}
+    ]
 
 
 def test_tiny_distillation_loads_as_lm_and_stays_lossless(embedded, tmp_path):

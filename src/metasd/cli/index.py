@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Run `metasd index` with the parsed arguments."""
-    from ..specialists.index import build_index, load_tokenizer
+    from ..models.loading import load_tokenizer
+    from ..specialists.index import build_index
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     include, exclude = tuple(args.include or DEFAULT_INCLUDE), tuple(args.exclude or DEFAULT_EXCLUDE)

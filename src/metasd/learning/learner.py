@@ -33,9 +33,9 @@ import torch
 
 from ..drafters.eagle import SHARED_KEY, EagleDrafter
 from ..models.eagle_head import EagleHead, TargetCheck, head_fingerprint, load_head, save_head
-from ..specialists.distill import length_batches
 from ..specialists.eagle_loss import head_loss
 from ..specialists.eagle_train import StoredSequences, TrainConfig, held_out_metrics
+from ..specialists.length_batches import length_batches
 from .buffer import TrafficBuffer
 
 log = logging.getLogger(__name__)

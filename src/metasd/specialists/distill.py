@@ -27,67 +27,9 @@ from pathlib import Path
 
 import torch
 
-PROMPT_FIELDS = ("prompt", "question", "instruction", "input", "text")
-
-
-def prompt_messages(record) -> list[dict] | None:
-    """A JSONL record's prompt as chat messages: a string field, Spec-Bench-like `turns`, or a chat's first turns."""
-    if isinstance(record, str):
-        return [{"role": "user", "content": record}] if record.strip() else None
-    if not isinstance(record, dict):
-        return None
-    for field in ("messages", "conversations"):
-        turns = record.get(field)
-        if isinstance(turns, list):
-            messages = []
-            for turn in turns:
-                if not isinstance(turn, dict):
-                    return None
-                role = str(turn.get("role", turn.get("from", "user"))).lower()
-                content = turn.get("content", turn.get("value"))
-                if role in ("assistant", "gpt", "model", "chatgpt", "bing", "bard"):
-                    break  # the target writes the answer itself
-                if not isinstance(content, str):
-                    return None
-                messages.append({"role": "system" if role == "system" else "user", "content": content})
-            return messages if any(m["role"] == "user" and m["content"].strip() for m in messages) else None
-    if isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
-        return [{"role": "user", "content": record["turns"][0]}]
-    for field in PROMPT_FIELDS:
-        if isinstance(record.get(field), str) and record[field].strip():
-            return [{"role": "user", "content": record[field]}]
-    return None
-
-
-def read_prompts(path: str | Path) -> list[list[dict]]:
-    """The chat prompts of a JSONL file, one per non-blank line (`prompt_messages`); ValueError naming the line
-    that has none."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise ValueError(f"cannot read --prompts: {err}") from err
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            messages = prompt_messages(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not JSON ({err})") from err
-        if messages is None:
-            raise ValueError(f'{path}:{number}: no prompt (expected "prompt", "turns", "messages", ... )')
-        prompts.append(messages)
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
-
-
-def encode(tokenizer, messages: list[dict]) -> list[int]:
-    """As Decoder.encode: the chat template with the generation prompt."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+from ..models.chat import chat_prompt_ids
+from .length_batches import length_batches
+from .prompts import read_prompts
 
 
 @torch.inference_mode()
@@ -118,7 +60,7 @@ def generate_outputs(
     for i, messages in enumerate(prompts):
         if i in done:
             continue
-        ids = encode(tok, messages)
+        ids = chat_prompt_ids(tok, messages)
         if len(ids) > max_prompt_tokens:
             ids = ids[-max_prompt_tokens:]  # keep the end, where the question and the generation prompt are
         todo.append((i, ids))
@@ -200,22 +142,6 @@ def _examples(rows: list[dict], max_len: int) -> list[tuple[list[int], int]]:
         prompt = prompt[-(max_len - len(answer)) :]
         out.append((prompt + answer, len(prompt)))
     return out
-
-
-def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped by length so that a batch pads little and holds about batch_tokens (padded) tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, current, width = [], [], 0
-    for i in order:
-        n = lengths[i]
-        if current and max(width, n) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, width = [], 0
-        current.append(i)
-        width = max(width, n)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _tensors(examples, indices, pad: int):

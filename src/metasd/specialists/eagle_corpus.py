@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from ..cached_model import feature_columns, feature_tap
-from .distill import encode, read_prompts
+from ..models.chat import chat_prompt_ids
+from .prompts import chat_turn, read_prompts
 
 
 @dataclass(frozen=True)
@@ -96,14 +97,13 @@ def _answer_batch(
 
 def encode_prompts(tokenizer, prompts: list[list[dict]], max_tokens: int) -> list[list[int]]:
     """Chat prompts with the generation prompt, as `Decoder.encode`; those over max_tokens are left out."""
-    return [ids for ids in (encode(tokenizer, m) for m in prompts) if len(ids) <= max_tokens]
+    return [ids for ids in (chat_prompt_ids(tokenizer, m) for m in prompts) if len(ids) <= max_tokens]
 
 
 def encode_documents(tokenizer, paths: list[str], max_tokens: int) -> list[list[int]]:
     """Whole conversations (JSONL records with "conversations" or "messages", ShareGPT's roles mapped to user /
     assistant) in the chat template, cut to their first max_tokens tokens: text the target reads in one prefill.
     Lines that are not such records are passed over."""
-    roles = {"human": "user", "user": "user", "system": "system"}  # any other speaker (gpt, bing, ...) answers
     out = []
     for path in paths:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
@@ -112,13 +112,7 @@ def encode_documents(tokenizer, paths: list[str], max_tokens: int) -> list[list[
             try:
                 record = json.loads(line)
                 turns = record.get("conversations") or record.get("messages") or []
-                messages = [
-                    {
-                        "role": roles.get(str(t.get("from", t.get("role"))).lower(), "assistant"),
-                        "content": t.get("value", t.get("content")),
-                    }
-                    for t in turns
-                ]
+                messages = [dict(zip(("role", "content"), chat_turn(t), strict=True)) for t in turns]
             except (json.JSONDecodeError, AttributeError):
                 continue  # a record cut short in the corpus: the others suffice
             messages = [m for m in messages if isinstance(m["content"], str) and m["content"].strip()]

@@ -27,9 +27,9 @@ from typing import Protocol
 import torch
 
 from ..models.eagle_head import EagleHead, TargetCheck, head_config_for, head_fingerprint, save_head
-from .distill import length_batches
 from .eagle_corpus import TokenFeatures
 from .eagle_loss import head_loss, step_masks
+from .length_batches import length_batches
 
 MAX_UNROLL = 8  # EAGLE-3's recipes unroll up to 7-8 steps
 _LEARNING_KEYS = ("step", "tokens_seen", "train_seconds", "final", "held_out")

@@ -25,33 +25,10 @@ import numpy as np
 
 from ..drafters.datastore import FORMAT, SA_DTYPE, SEP, TOKENS_DTYPE, VERSION, tokenizer_fingerprint
 from .corpus_files import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, corpus_files
+from .prompts import chat_turn
 
 CHUNK_CHARS = 1 << 20
 _PAIR_FIELDS = ("system", "instruction", "prompt", "question", "input", "response", "output", "answer", "completion")
-_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "model": "assistant",
-    "system": "system",
-}
-
-
-def load_tokenizer(spec: str | None):
-    """Only the tokenizer of a model spec (no weights): what indexing needs."""
-    from transformers import AutoTokenizer
-
-    from ..models.loading import _locate
-
-    name, kwargs = _locate(spec or "embedded")
-    try:
-        return AutoTokenizer.from_pretrained(name, **kwargs)
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"cannot load the tokenizer of {spec!r}: {err}") from err
 
 
 def _chat_text(turns: list, tokenizer) -> str | None:
@@ -59,8 +36,7 @@ def _chat_text(turns: list, tokenizer) -> str | None:
     for turn in turns:
         if not isinstance(turn, dict):
             return None
-        role = _ROLES.get(str(turn.get("role", turn.get("from", ""))).lower(), "user")
-        content = turn.get("content", turn.get("value"))
+        role, content = chat_turn(turn)
         if not isinstance(content, str):
             return None
         messages.append({"role": role, "content": content})

@@ -1,0 +1,71 @@
+"""Prompt files: JSONL records read as chat prompts, for `metasd distill` and `metasd train-eagle` (the target answers
+them) in one set of formats: a string field (`prompt`, `question`, ...), Spec-Bench-like `turns` (the first), or a
+chat's `messages` / `conversations` up to its first answer (ShareGPT's `from`/`value` too); and a chat turn's role
+and content as every reader of chat records here (prompts, datastores, EAGLE texts) maps them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PROMPT_FIELDS = ("prompt", "question", "instruction", "input", "text")
+_ROLES = {"human": "user", "user": "user", "system": "system"}
+
+
+def chat_turn(turn: dict) -> tuple[str, object]:
+    """A turn's role as chat templates name them and its content, from OpenAI's `role`/`content` or ShareGPT's
+    `from`/`value`: `human` is the user, any speaker but the user and the system answers (ShareGPT's gpt, chatgpt,
+    bing, bard, ...), and a turn naming no speaker is the user's."""
+    speaker = str(turn.get("role", turn.get("from", "user"))).lower()
+    return _ROLES.get(speaker, "assistant"), turn.get("content", turn.get("value"))
+
+
+def prompt_messages(record) -> list[dict] | None:
+    """A JSONL record's prompt as chat messages: a string field, Spec-Bench-like `turns`, or a chat's first turns."""
+    if isinstance(record, str):
+        return [{"role": "user", "content": record}] if record.strip() else None
+    if not isinstance(record, dict):
+        return None
+    for field in ("messages", "conversations"):
+        turns = record.get(field)
+        if isinstance(turns, list):
+            messages = []
+            for turn in turns:
+                if not isinstance(turn, dict):
+                    return None
+                role, content = chat_turn(turn)
+                if role == "assistant":
+                    break  # the target writes the answer itself
+                if not isinstance(content, str):
+                    return None
+                messages.append({"role": role, "content": content})
+            return messages if any(m["role"] == "user" and m["content"].strip() for m in messages) else None
+    if isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
+        return [{"role": "user", "content": record["turns"][0]}]
+    for field in PROMPT_FIELDS:
+        if isinstance(record.get(field), str) and record[field].strip():
+            return [{"role": "user", "content": record[field]}]
+    return None
+
+
+def read_prompts(path: str | Path) -> list[list[dict]]:
+    """The chat prompts of a JSONL file, one per non-blank line (`prompt_messages`); ValueError naming the line
+    that has none."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise ValueError(f"cannot read --prompts: {err}") from err
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            messages = prompt_messages(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not JSON ({err})") from err
+        if messages is None:
+            raise ValueError(f'{path}:{number}: no prompt (expected "prompt", "turns", "messages", ... )')
+        prompts.append(messages)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
