@@ -4,7 +4,8 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from metasd.cached_model import CachedModel, common_prefix
+from metasd.cached_model import CachedModel
+from metasd.tokens import common_prefix
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from metasd import Decoder, Draft
-from metasd.cached_model import common_prefix
 from metasd.costs import CostModel, DrafterCost, TargetCost
 from metasd.policy.adaptive import AdaptivePolicy
+from metasd.tokens import common_prefix
 
 COPY = "Repeat this list exactly, twice: apple, banana, cherry, dates, elderberry, figs, grapes, honeydew."
 LONG = "Summarize: " + " ".join(f"item {i} is on the shelf." for i in range(60))

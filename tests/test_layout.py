@@ -70,8 +70,16 @@ def test_argparse_lives_in_the_cli():
 
 # Lowest first: a module may import its own layer's modules and those of the layers below, never one above.
 LAYERS = [
-    # names, records, sampling, the OpenMP runtime's threads
-    ("metasd.names", "metasd.draft", "metasd.sampling", "metasd.stats", "metasd.processors", "metasd.openmp"),
+    # names, token lists, records, sampling, the OpenMP runtime's threads
+    (
+        "metasd.names",
+        "metasd.tokens",
+        "metasd.draft",
+        "metasd.sampling",
+        "metasd.stats",
+        "metasd.processors",
+        "metasd.openmp",
+    ),
     ("metasd.tree", "metasd.outcome"),  # a round's draft tree and what it yielded
     ("metasd.verify", "metasd.round", "metasd.models"),  # acceptance rules, a round's state, loading models
     ("metasd.cached_model", "metasd.slots", "metasd.costs"),  # a model's caches (one sequence, rows), the costs

@@ -12,12 +12,13 @@ from types import MappingProxyType
 import torch
 from transformers import GenerationConfig
 
-from .cached_model import CachedModel, feature_layers_read_by
+from .cached_model import CachedModel
 from .costs import CostModel, calibrated
 from .drafters import DEFAULT_POOL, Drafter, default_pool, parse_drafters, pool_entry
 from .drafters.base import StoppableDrafter
 from .generation import Generation
 from .models.chat import chat_prompt_ids
+from .models.features import feature_layers_read_by
 from .models.linear_kernels import KERNEL_MODES
 from .models.loading import LoadedModel, adopt_model, dtype_name, load_model
 from .policy import DEFAULT_POLICY, Policy, build_policy, canonical_policy

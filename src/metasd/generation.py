@@ -14,18 +14,19 @@ from typing import Protocol
 import torch
 from transformers import GenerationConfig
 
-from .cached_model import TargetCache, common_prefix
+from .cached_model import TargetCache
 from .costs import CostModel, observe_round, reward_times
 from .draft import Draft, DraftJob
 from .drafters import Drafter
 from .drafting import chosen_draft, continued_draft, draft_tree, free_proposals
-from .models.loading import LoadedModel, token_ids
+from .models.loading import LoadedModel
 from .outcome import RoundOutcome
 from .policy import Policy
 from .processors import process, target_processors
 from .round import OwnChoice, RoundClock, RoundState, run_round
 from .sampling import SamplingParams
 from .stats import GenerationResult, GenerationStats, Round
+from .tokens import common_prefix, token_ids
 from .verify import verify_round
 
 OWN_CHOICE = OwnChoice()

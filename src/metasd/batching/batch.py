@@ -22,9 +22,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..cached_model import feature_layers_read_by
 from ..engine import Decoder
 from ..generation import OWN_CHOICE, Generation
+from ..models.features import feature_layers_read_by
 from ..policy import Policy
 from ..round import run_round
 from ..slots import BatchedTarget, check_batched_logits

@@ -27,12 +27,14 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from ..cached_model import CachedModel, common_prefix, feature_columns
+from ..cached_model import CachedModel
 from ..draft import Draft, DraftJob
 from ..models.eagle_head import EagleHead, fits, load_head
+from ..models.features import feature_columns
 from ..models.int8_weights import WEIGHTS, int8_twin, route_rows, split_weights, synchronize
 from ..models.linear_kernels import KERNELS, install
 from ..sampling import SamplingParams, pick, probabilities
+from ..tokens import common_prefix
 from .base import AutoregressiveDrafter, DraftBuilder
 from .suffix import SHARED as SHARED_KEY
 

@@ -18,12 +18,14 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from ..cached_model import CachedModel, common_prefix, fit_vocab
+from ..cached_model import CachedModel
 from ..draft import Draft, DraftJob
 from ..models.int8_weights import drafting_weights
 from ..models.loading import context_length
+from ..models.logits import fit_vocab
 from ..sampling import SamplingParams, pick, probabilities
 from ..slots import BatchedTarget, Row, check_batched_logits
+from ..tokens import common_prefix
 from ..tree import DraftTree
 from .base import AutoregressiveDrafter, DraftBuilder
 

@@ -20,9 +20,9 @@ from collections import Counter, OrderedDict, defaultdict, deque
 
 import torch
 
-from ..cached_model import common_prefix
 from ..draft import Draft
 from ..sampling import SamplingParams
+from ..tokens import common_prefix
 from .base import Drafter
 
 SHARED = ""  # the key of the default, process-wide history

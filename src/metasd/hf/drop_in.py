@@ -23,9 +23,9 @@ from ..batching.batch import Batch
 from ..drafters import DEFAULT_POOL
 from ..engine import Decoder
 from ..generation import Generation
-from ..models.loading import token_ids
 from ..policy import DEFAULT_POLICY
 from ..stats import GenerationStats
+from ..tokens import token_ids
 
 # generate's arguments metasd cannot honour (None, False or an empty list mean "not used")
 _REFUSED_ARGUMENTS = (

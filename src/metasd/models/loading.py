@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..tokens import token_ids
 from . import attention  # noqa: F401  (registers the `sdpa` attention every model reads: grouped queries on a CPU)
 from .converted import converted_entry, read_converted, read_converted_tokenizer, save_converted
 from .embedded import embedded_path
@@ -69,15 +69,6 @@ class LoadedModel:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return frozenset(token_ids(eos))
-
-
-def token_ids(ids: int | Sequence[int] | torch.Tensor | None) -> list[int]:
-    """A generation setting naming tokens (`eos_token_id`: None, an id, a list or a tensor of ids) as a list."""
-    if ids is None:
-        return []
-    if isinstance(ids, torch.Tensor):
-        return [int(i) for i in ids.flatten().tolist()]
-    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
 
 
 def _locate(spec: str) -> tuple[str, dict]:

@@ -65,3 +65,12 @@ class ModelHead:
             return out.logits[0]
         finally:
             self.body.hidden = None
+
+
+def fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """Logits [n, V'] as [n, size]: a drafter's larger vocabulary cut to the target's, a smaller one padded with
+    -inf (its q is 0 there)."""
+    if logits.shape[-1] > size:
+        return logits[:, :size]
+    pad = torch.full((logits.shape[0], size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..cached_model import common_prefix, feature_tap
 from ..draft import Draft
+from ..models.features import feature_tap
 from ..models.loading import context_length
 from ..models.logits import ModelHead
+from ..tokens import common_prefix
 from ..tree import DraftTree
 from .ragged import Segment, packed
 

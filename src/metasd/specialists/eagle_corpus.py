@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from ..cached_model import feature_columns, feature_tap
 from ..models.chat import chat_prompt_ids
+from ..models.features import feature_columns, feature_tap
 from .prompts import chat_turn, read_prompts
 
 

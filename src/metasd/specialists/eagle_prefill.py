@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cached_model import feature_tap
+from ..models.features import feature_tap
 from .eagle_train import right_padded
 
 
