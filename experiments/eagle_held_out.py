@@ -15,8 +15,9 @@ from pathlib import Path
 
 from metasd.models.eagle_head import load_head
 from metasd.models.loading import load_model
-from metasd.specialists.eagle_corpus import TokenFeatures, read_corpus
-from metasd.specialists.eagle_train import StoredSequences, TrainConfig, held_out_metrics, held_out_split
+from metasd.specialists.eagle_corpus import read_corpus
+from metasd.specialists.eagle_sequences import StoredSequences, TokenFeatures
+from metasd.specialists.eagle_train import TrainConfig, held_out_metrics, held_out_split
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ import torch
 
 from metasd.models.loading import load_model
 from metasd.specialists.eagle_corpus import read_corpus, write_corpus
-from metasd.specialists.eagle_train import StoredSequences, TrainConfig, train_head
+from metasd.specialists.eagle_sequences import StoredSequences
+from metasd.specialists.eagle_train import TrainConfig, train_head
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 BATCH_TOKENS = 4096

@@ -21,12 +21,8 @@ from metasd.specialists.eagle_corpus import (
     write_corpus,
 )
 from metasd.specialists.eagle_loss import head_loss, head_passes
-from metasd.specialists.eagle_train import (
-    StoredSequences,
-    TrainConfig,
-    held_out_metrics,
-    train_head,
-)
+from metasd.specialists.eagle_sequences import StoredSequences
+from metasd.specialists.eagle_train import TrainConfig, held_out_metrics, train_head
 
 PROMPTS = ["Name a colour.", "Count to three.", "Say hello.", "What is two plus two?", "Write one word."]
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 
+from ..machine import cpu_name
 from .config import BenchConfig, bench_decoder, drafter_weights
 from .history import DrafterHistory
 from .methods import DERIVED, lm_drafters, longest_draft, resolve_methods, uses_drafters
@@ -32,14 +32,7 @@ def host_info() -> dict:
     """Which machine measured a question: hostname, Ray node id, CPU model and count, torch threads, accelerator."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     node = None
     try:
         import ray

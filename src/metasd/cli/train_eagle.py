@@ -211,7 +211,8 @@ def _streamed_texts(args: argparse.Namespace, target) -> tuple[dict, list]:
     """The texts' report and token sequences, with no features: a prefill computes them as training needs them."""
     import torch
 
-    from ..specialists.eagle_corpus import TokenFeatures, encode_documents
+    from ..specialists.eagle_corpus import encode_documents
+    from ..specialists.eagle_sequences import TokenFeatures
 
     documents = encode_documents(target.tokenizer, args.texts, args.max_text_tokens)
     documents = _first_tokens(_after_tokens(documents, args.texts_skip_tokens), args.texts_tokens)
@@ -245,7 +246,8 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
     from ..models.eagle_head import load_head
     from ..specialists.eagle_corpus import read_corpus
     from ..specialists.eagle_prefill import PrefilledSequences
-    from ..specialists.eagle_train import StoredSequences, TrainConfig, train_head
+    from ..specialists.eagle_sequences import StoredSequences
+    from ..specialists.eagle_train import TrainConfig, train_head
 
     cfg = TrainConfig(
         epochs=args.epochs,

@@ -9,13 +9,12 @@ comes, differs by machine and dtype, so it is measured."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
 import platform
-import statistics
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,9 +25,11 @@ import torch
 from transformers import DynamicCache
 
 from ..draft import Draft
+from ..machine import cpu_name
 from ..models.attention import ATTENTION
 from ..models.embedded import cache_dir
 from ..models.linear_kernels import KERNELS, install
+from ..models.timing import interleaved_medians, seconds
 from ..slots import BatchedTarget
 from ..tree import DraftTree
 from .model import CostModel, TargetCost
@@ -66,45 +67,29 @@ def calibrate(
     if device.type != "cpu":  # oneDNN's kernel is a CPU's: elsewhere it would time torch's own under another name
         candidates = [kernel for kernel in candidates if kernel != "onednn"]
     ids = torch.randint(0, vocab, (1, context + max_tokens), generator=gen).to(device)
-    prefills: dict[str, list[float]] = {kernel: [] for kernel in candidates}
-    for rep in range(PREFILL_REPS + 1):  # the first pass warms up
-        for kernel in candidates:
-            install(model, [kernel] * max_tokens, beyond=kernel, keep=True)
-            cache = DynamicCache(config=model.config)
-            start = time.perf_counter()
-            model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if rep:
-                prefills[kernel].append(time.perf_counter() - start)
-    beyond = min(candidates, key=lambda k: statistics.median(prefills[k]))
-    times = {kernel: [[] for _ in range(max_tokens)] for kernel in candidates}
-    for rep in range(reps + 1):  # the first pass warms up
-        for m in range(1, max_tokens + 1):
-            for kernel in candidates:
-                install(model, [kernel] * max_tokens, beyond=beyond, keep=True)
-                start = time.perf_counter()
-                model(input_ids=ids[:, context : context + m], cache=cache, use_cache=True, logits_to_keep=m)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                elapsed = time.perf_counter() - start
-                cache.crop(-m)
-                if rep:
-                    times[kernel][m - 1].append(elapsed)
-    medians = {kernel: [statistics.median(t) for t in per_m] for kernel, per_m in times.items()}
-    kernels = [min(candidates, key=lambda k, i=i: medians[k][i]) for i in range(max_tokens)]
+    cache = DynamicCache(config=model.config)
+
+    def prefill(kernel: str) -> float:  # leaves `cache` holding the context for the timings of M after it
+        nonlocal cache
+        install(model, [kernel] * max_tokens, beyond=kernel, keep=True)
+        cache = DynamicCache(config=model.config)
+        return seconds(lambda: model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1), device)
+
+    prefills = interleaved_medians({kernel: functools.partial(prefill, kernel) for kernel in candidates}, PREFILL_REPS)
+    beyond = min(candidates, key=prefills.__getitem__)
+
+    def step(m: int, kernel: str) -> float:
+        install(model, [kernel] * max_tokens, beyond=beyond, keep=True)
+        new = ids[:, context : context + m]
+        elapsed = seconds(lambda: model(input_ids=new, cache=cache, use_cache=True, logits_to_keep=m), device)
+        cache.crop(-m)
+        return elapsed
+
+    runs = {(m, kernel): functools.partial(step, m, kernel) for m in range(1, max_tokens + 1) for kernel in candidates}
+    medians = interleaved_medians(runs, reps)
+    kernels = [min(candidates, key=lambda k, m=m: medians[m, k]) for m in range(1, max_tokens + 1)]
     install(model, kernels, beyond)
-    return Calibration([medians[k][i] for i, k in enumerate(kernels)], kernels, beyond)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return Calibration([medians[m, k] for m, k in enumerate(kernels, 1)], kernels, beyond)
 
 
 def calibration_key(spec: str, model: torch.nn.Module, max_tokens: int, candidates: Sequence[str] = KERNELS) -> dict:
@@ -115,7 +100,7 @@ def calibration_key(spec: str, model: torch.nn.Module, max_tokens: int, candidat
     return {
         "model": spec,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}:{_cpu_name()}",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}:{cpu_name()}",
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
         "torch": torch.__version__,
@@ -264,6 +249,7 @@ def calibrate_batch(model: torch.nn.Module, sizes: Sequence[int], max_width: int
     B in sizes and W = 1 .. max_width (widths interleaved within each repetition, the first pass a warm-up)."""
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
     out = {}
     for size in sizes:
         target = BatchedTarget(model, rows=size, capacity=CONTEXT + max_width + 1)
@@ -272,21 +258,20 @@ def calibrate_batch(model: torch.nn.Module, sizes: Sequence[int], max_width: int
         contexts = [torch.randint(0, vocab, (cached + max_width,), generator=gen).tolist() for _ in rows]
         for row, context in zip(rows, contexts, strict=True):
             target.prefill(row, context[: cached + 1])
-        times: list[list[float]] = [[] for _ in range(max_width)]
-        for rep in range(reps + 1):
-            for width in range(1, max_width + 1):
-                items = [
-                    (row, c[: cached + 1], DraftTree.chain(Draft(c[cached + 1 : cached + width])))
-                    for row, c in zip(rows, contexts, strict=True)
-                ]
-                start = time.perf_counter()
-                target.forward(items)
-                elapsed = time.perf_counter() - start
-                for row, c in zip(rows, contexts, strict=True):
-                    target.settle(row, c[: cached + 1])
-                if rep:
-                    times[width - 1].append(elapsed)
-        out[size] = [statistics.median(t) for t in times]
+
+        def forward(width: int, rows=rows, contexts=contexts, target=target, cached=cached) -> float:
+            items = [
+                (row, c[: cached + 1], DraftTree.chain(Draft(c[cached + 1 : cached + width])))
+                for row, c in zip(rows, contexts, strict=True)
+            ]
+            elapsed = seconds(lambda: target.forward(items), device)
+            for row, c in zip(rows, contexts, strict=True):
+                target.settle(row, c[: cached + 1])
+            return elapsed
+
+        widths = range(1, max_width + 1)
+        medians = interleaved_medians({width: functools.partial(forward, width) for width in widths}, reps)
+        out[size] = [medians[width] for width in widths]
     return out
 
 

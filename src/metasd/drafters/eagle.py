@@ -17,7 +17,7 @@ drew the draft: int8 changes which tokens are drafted, never the target's output
 from __future__ import annotations
 
 import copy
-import statistics
+import functools
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -31,8 +31,9 @@ from ..cached_model import CachedModel
 from ..draft import Draft, DraftJob
 from ..models.eagle_head import EagleHead, fits, load_head
 from ..models.features import feature_columns
-from ..models.int8_weights import WEIGHTS, int8_twin, route_rows, split_weights, synchronize
+from ..models.int8_weights import WEIGHTS, int8_twin, route_rows, split_weights
 from ..models.linear_kernels import KERNELS, install
+from ..models.timing import interleaved_medians, seconds
 from ..sampling import SamplingParams, pick, probabilities
 from ..tokens import common_prefix
 from .base import AutoregressiveDrafter, DraftBuilder
@@ -116,10 +117,7 @@ class EagleDrafter(AutoregressiveDrafter):
 
         def step_seconds(layers: torch.nn.ModuleList) -> float:
             cache = DynamicCache(config=self.head.body.config)
-            start = time.perf_counter()
-            layers[1](layers[0](x, x, cache=cache))
-            synchronize(device)
-            return time.perf_counter() - start
+            return seconds(lambda: layers[1](layers[0](x, x, cache=cache)), device)
 
         candidates: dict[str, torch.nn.ModuleList] = {}
         if weights != "unquantized":
@@ -134,15 +132,14 @@ class EagleDrafter(AutoregressiveDrafter):
                 warnings.warn(f"{self.name}: int8 weights failed on {device} ({err}); drafting on float", stacklevel=2)
         if weights != "int8":
             candidates.update({f"unquantized, {kernel}": floats for kernel in KERNELS})
-        times: dict[str, list[float]] = {name: [] for name in candidates}
-        for rep in range(reps + 1):
-            for name, layers in candidates.items():
-                if layers is floats:
-                    install(floats, [name.partition(", ")[2]], keep=True)  # oneDNN's copies made once, not timed
-                elapsed = step_seconds(layers)
-                if rep:  # the first pass warms up
-                    times[name].append(elapsed)
-        best = min(times, key=lambda name: statistics.median(times[name]))
+
+        def run(name: str) -> float:
+            if candidates[name] is floats:
+                install(floats, [name.partition(", ")[2]], keep=True)  # oneDNN's copies made once, not timed
+            return step_seconds(candidates[name])
+
+        medians = interleaved_medians({name: functools.partial(run, name) for name in candidates}, reps)
+        best = min(medians, key=medians.__getitem__)
         # the float layers (catch-ups; the draft steps too if they won) keep no oneDNN copies they do not use
         install(floats, [best.partition(", ")[2] if candidates[best] is floats else KERNELS[0]])
         self.head, self.readout = candidates[best]

@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from ..specialists.eagle_corpus import TokenFeatures
+from ..specialists.eagle_sequences import TokenFeatures
 
 
 class TrafficBuffer:

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import os
 import random
-import re
-import shutil
 import sys
 import threading
 import time
@@ -32,11 +29,13 @@ from pathlib import Path
 import torch
 
 from ..drafters.eagle import SHARED_KEY, EagleDrafter
-from ..models.eagle_head import EagleHead, TargetCheck, head_fingerprint, load_head, save_head
+from ..models.eagle_head import EagleHead, head_fingerprint
 from ..specialists.eagle_loss import head_loss
-from ..specialists.eagle_train import StoredSequences, TrainConfig, held_out_metrics
+from ..specialists.eagle_sequences import StoredSequences
+from ..specialists.eagle_train import TrainConfig, held_out_metrics
 from ..specialists.length_batches import length_batches
 from .buffer import TrafficBuffer
+from .head_store import HeadStore, dir_name
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,9 @@ class HeadLearner:
         self.train_config = TrainConfig(
             noise=0.1, unroll=config.unroll, feature_layers=self.base.config.feature_layers, max_length=768
         )
-        self.directory = directory
+        self.store = None
+        if directory is not None:
+            self.store = HeadStore(directory, self.name, target, self.base_fingerprint, self.base.draft_vocab)
         self.busy: Callable[[], bool] | None = None  # whether the server is decoding (`metasd.serving` sets it)
         self.keys: dict[str, _KeyState] = {}
         self.failures = 0
@@ -143,8 +144,9 @@ class HeadLearner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rng = random.Random(0)
-        if directory is not None:
-            self._resume(directory)
+        for key, head, version in self.store.resume() if self.store is not None else ():
+            state = self._state(key)
+            state.head, state.version = head, version
 
     # --- what the drafter calls (serving threads) -----------------------------------------------------------------
 
@@ -275,7 +277,8 @@ class HeadLearner:
                 state.buffer.mark_trained(mark)
             record["version"] = state.version
             state.records.append(record)
-        self._save(key, record, candidate if swap else None)
+        if self.store is not None:
+            self.store.save(key, record, candidate if swap else None, asdict(self.config))
         return record
 
     def _fine_tune(self, head: EagleHead, seqs: StoredSequences) -> int | None:
@@ -316,7 +319,7 @@ class HeadLearner:
             keys = {}
             for key, state in self.keys.items():
                 last = state.records[-1] if state.records else None
-                keys[_dir_name(key)] = {
+                keys[dir_name(key)] = {
                     "version": state.version,
                     "buffer_tokens": state.buffer.tokens,
                     "buffer_sequences": len(state.buffer.sequences),
@@ -353,103 +356,13 @@ class HeadLearner:
                 }
                 for r in ([] if state is None else state.records[-100:])
             ]
-        own = stats["keys"].get(_dir_name(key), {"version": 0, "buffer_tokens": 0, "rounds": 0})
-        return {**{k: v for k, v in stats.items() if k != "keys"}, "key": _dir_name(key), **own, "curve": curve}
-
-    def _save(self, key: str, record: dict, head: EagleHead | None) -> None:
-        """Append the round to the key's learning.jsonl; a head swapped in is written whole to its own directory
-        (`head-vN`, flushed to disk) before `current` names it (a temporary file renamed over the old one), so a
-        process or machine that dies mid-write leaves the head before it in service on restart; versions before
-        the previous one are removed."""
-        if self.directory is None:
-            return
-        out = self.directory / _dir_name(key)
-        out.mkdir(parents=True, exist_ok=True)
-        if head is not None:
-            name = f"head-v{record['version']}"
-            training = {
-                "learned_from_traffic": record,
-                "base_head": self.base_fingerprint,
-                "config": asdict(self.config),
-            }
-            save_head(out / name, head, self.target.spec, TargetCheck.of(self.target.model), training)
-            for written in (out / name / "head.safetensors", out / name / "config.json", out / name):
-                _flush(written)
-            pointer = out / "current.tmp"
-            pointer.write_text(name + "\n", encoding="utf-8")
-            _flush(pointer)
-            os.replace(pointer, out / "current")
-            _flush(out)
-            for old in _versions(out)[2:]:  # the new one and the one before it stay
-                shutil.rmtree(old, ignore_errors=True)
-        with open(out / "learning.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def _resume(self, directory: Path) -> None:
-        """Each key's last saved head and its version, from an earlier run with this directory: the one `current`
-        names, else the newest one readable; a head grown from another base head than this drafter's (another
-        `eagle:PATH`, a retrained head) is not resumed, nor is one cut short or made for another target."""
-        for sub in sorted(p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []:
-            if (sub / "config.json").is_file():
-                log.warning("%s: not resuming %s (saved in an older layout: heads now go to head-vN)", self.name, sub)
-            for path in _saved_heads(sub):
-                try:
-                    saved = load_head(path, self.target.model)
-                    if saved.training.get("base_head") != self.base_fingerprint:
-                        raise ValueError(f"it grew from another head than {self.name}'s (base head fingerprint)")
-                    if not torch.equal(saved.head.draft_vocab, self.base.draft_vocab):
-                        raise ValueError(f"it has another draft vocabulary than {self.name}'s")
-                except ValueError as err:
-                    log.warning("%s: not resuming %s (%s)", self.name, path, err)
-                    continue
-                state = self._state(_key_of(sub.name))
-                state.head = saved.head.float().eval()
-                state.version = int(saved.training.get("learned_from_traffic", {}).get("version", 1))
-                break
-
-
-def _saved_heads(key_dir: Path) -> list[Path]:
-    """A key's saved heads, the one to resume first: the one `current` names, then the others newest first."""
-    try:
-        named = key_dir / (key_dir / "current").read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):  # none yet, or unreadable: the newest version readable is resumed
-        named = None
-    return ([named] if named is not None else []) + [p for p in _versions(key_dir) if p != named]
-
-
-def _versions(key_dir: Path) -> list[Path]:
-    """A key's head-vN directories, newest first."""
-    found = [p for p in key_dir.glob("head-v*") if p.is_dir() and p.name[6:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[6:]), reverse=True)
-
-
-def _flush(path: Path) -> None:
-    """Push a written file (or a directory's entries) to the disk, where the platform allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # a directory on a platform that cannot sync one
-        pass
-    finally:
-        os.close(fd)
+        own = stats["keys"].get(dir_name(key), {"version": 0, "buffer_tokens": 0, "rounds": 0})
+        return {**{k: v for k, v in stats.items() if k != "keys"}, "key": dir_name(key), **own, "curve": curve}
 
 
 def _served(record: dict) -> dict:
     """The held-out metrics of the head in service after a round: the candidate's if it was swapped in."""
     return record["candidate"] if record["swapped"] else record["serving"]
-
-
-def _dir_name(key: str) -> str:
-    """A history key as a directory name: the shared history is `shared`, a client's key as it is (`key-` and a
-    hash of its API key, `serving.app.history_key`)."""
-    return "shared" if key == SHARED_KEY else re.sub(r"[^A-Za-z0-9_.-]", "_", key)
-
-
-def _key_of(name: str) -> str:
-    return SHARED_KEY if name == "shared" else name
 
 
 def learn_heads(decoder, config: LearningConfig, directory: Path | None = None) -> list[HeadLearner]:
@@ -459,7 +372,7 @@ def learn_heads(decoder, config: LearningConfig, directory: Path | None = None) 
     learners = []
     for name, drafter in decoder.drafters.items():
         if isinstance(drafter, EagleDrafter):
-            sub = None if directory is None else Path(directory) / _dir_name(name)
+            sub = None if directory is None else Path(directory) / dir_name(name)
             learner = HeadLearner(drafter, decoder.target, config, sub)
             drafter.learn_from(learner)
             learners.append(learner)

@@ -17,13 +17,14 @@ by compute rather than by memory and can run slower in int8), so `auto` times it
 from __future__ import annotations
 
 import copy
-import statistics
+import functools
 import sys
-import time
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from .timing import interleaved_medians, seconds
 
 WEIGHTS = ("auto", "int8", "unquantized")  # a model drafter's `weights`; `auto` = int8 where measured faster
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts `auto` times
@@ -90,18 +91,7 @@ def forward_seconds(model: torch.nn.Module, rows: int) -> float:
     """One forward over `rows` tokens (no cache): its weight traffic is a drafting step's or a catch-up's."""
     device = next(model.parameters()).device
     ids = torch.ones((1, rows), dtype=torch.long, device=device)
-    start = time.perf_counter()
-    model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a wall-clock time covers it (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
+    return seconds(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), device)
 
 
 def route_rows(twin: torch.nn.Module, rows: int) -> None:
@@ -121,15 +111,14 @@ def int8_rows(model: torch.nn.Module, twin: torch.nn.Module, reps: int = 3) -> i
     Medians of `reps` forwards after a warm-up, the two interleaved so that a slow spell hits both."""
     faster = 0
     for rows in ROWS:
-        times: list[list[float]] = [[], []]
-        for rep in range(reps + 1):
-            for which in (0, 1):
-                if faster:
-                    route_rows(twin, rows if which else faster)
-                elapsed = forward_seconds(twin if which or faster else model, rows)
-                if rep:
-                    times[which].append(elapsed)
-        if statistics.median(times[1]) >= statistics.median(times[0]):
+
+        def run(which: int, rows: int = rows, faster: int = faster) -> float:
+            if faster:
+                route_rows(twin, rows if which else faster)
+            return forward_seconds(twin if which or faster else model, rows)
+
+        medians = interleaved_medians({which: functools.partial(run, which) for which in (0, 1)}, reps)
+        if medians[1] >= medians[0]:
             break
         faster = rows
     route_rows(twin, faster)

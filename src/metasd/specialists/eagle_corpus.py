@@ -14,7 +14,6 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,17 +23,8 @@ from transformers import DynamicCache
 
 from ..models.chat import chat_prompt_ids
 from ..models.features import feature_columns, feature_tap
+from .eagle_sequences import TokenFeatures
 from .prompts import chat_turn, read_prompts
-
-
-@dataclass(frozen=True)
-class TokenFeatures:
-    """One prompt + answer: `tokens` [n], `features` [n, D] (the last row is the feature of the last token);
-    `prompt`: how many of the tokens are the prompt the target answered (0: a document, every token is text)."""
-
-    tokens: torch.Tensor
-    features: torch.Tensor
-    prompt: int = 0
 
 
 def read_prompt_files(paths: list[str]) -> list[list[dict]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.features import feature_tap
-from .eagle_train import right_padded
+from .eagle_sequences import right_padded
 
 
 @dataclass(frozen=True)
