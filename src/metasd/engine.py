@@ -106,7 +106,8 @@ class Decoder:
         return list(self.drafters)
 
     def encode(self, prompt: Prompt, raw: bool = False) -> list[int]:
-        """Text gets the chat template (as one user turn) unless raw; messages always do; ids pass through."""
+        """Text gets the chat template (as one user turn) unless raw; messages always do (a tokenizer without a
+        template, a base model's, reads their contents joined by newlines: `models.chat`); ids pass through."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")

@@ -29,13 +29,12 @@ def test_prompt_formats(tmp_path):
 
 
 def test_every_reader_of_chats_names_a_speaker_alike():
-    """Prompts, datastores and EAGLE texts read a turn through `chat_turn`: the user and the system by their names,
-    any other speaker as the one answering, a turn without a speaker as the user's."""
+    """Prompts, datastores and EAGLE texts read a turn through `chat_turn`: the system and the answering model by
+    their names, anyone else (`human`, no speaker named) as the user."""
     turns = [{"from": "human", "value": "a"}, {"from": "bard", "value": "b"}, {"role": "System", "content": "c"}, {}]
     assert [chat_turn(t) for t in turns] == [("user", "a"), ("assistant", "b"), ("system", "c"), ("user", None)]
-    assert prompt_messages({"conversations": [{"from": "human", "value": "Q?"}, {"from": "llama", "value": "A"}]}) == [
-        {"role": "user", "content": "Q?"}
-    ]
+    chat = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Q?"}]}
+    assert prompt_messages(chat) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}]
 
 
 def test_tiny_distillation_loads_as_lm_and_stays_lossless(embedded, tmp_path):

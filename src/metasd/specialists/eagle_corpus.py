@@ -4,7 +4,7 @@ EAGLE (Li et al., arXiv 2401.15077) trains its head on the target's final-layer 
 it is shown, so the text is the target's own greedy answers (what it will draft at decoding time) to prompts from
 corpora that are not benchmarks. One batched decoding pass writes both: the tokens of prompt + answer, and the
 target's features (the output of its final norm, what its LM head reads, after the outputs of the decoder layers a
-fused head reads: `cached_model.feature_tap`) at each position, captured as it decodes (no second forward). Shards
+fused head reads: `models.features.feature_tap`) at each position, captured as it decodes (no second forward). Shards
 are written per batch, so an interrupted run resumes where it stopped.
 """
 

@@ -9,15 +9,17 @@ import json
 from pathlib import Path
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "input", "text")
-_ROLES = {"human": "user", "user": "user", "system": "system"}
+_ROLES = {"system": "system", "developer": "system"} | dict.fromkeys(
+    ("assistant", "gpt", "chatgpt", "bing", "bard", "model"), "assistant"
+)
 
 
 def chat_turn(turn: dict) -> tuple[str, object]:
     """A turn's role as chat templates name them and its content, from OpenAI's `role`/`content` or ShareGPT's
-    `from`/`value`: `human` is the user, any speaker but the user and the system answers (ShareGPT's gpt, chatgpt,
-    bing, bard, ...), and a turn naming no speaker is the user's."""
+    `from`/`value`: the system's (OpenAI's `developer` too), the answer's (ShareGPT's gpt, chatgpt, bing, bard;
+    Gemini's model), and any other speaker's, `human` or none named, the user's."""
     speaker = str(turn.get("role", turn.get("from", "user"))).lower()
-    return _ROLES.get(speaker, "assistant"), turn.get("content", turn.get("value"))
+    return _ROLES.get(speaker, "user"), turn.get("content", turn.get("value"))
 
 
 def prompt_messages(record) -> list[dict] | None:
