@@ -70,7 +70,7 @@ def test_argparse_lives_in_the_cli():
 
 # Lowest first: a module may import its own layer's modules and those of the layers below, never one above.
 LAYERS = [
-    # names, token lists, records, sampling, the OpenMP runtime's threads, the machine
+    # names, token lists, records, sampling, the OpenMP runtime's threads, the machine, files
     (
         "metasd.names",
         "metasd.tokens",
@@ -80,6 +80,7 @@ LAYERS = [
         "metasd.processors",
         "metasd.openmp",
         "metasd.machine",
+        "metasd.files",
     ),
     ("metasd.tree", "metasd.outcome"),  # a round's draft tree and what it yielded
     ("metasd.verify", "metasd.round", "metasd.models"),  # acceptance rules, a round's state, loading models

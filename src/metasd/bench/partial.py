@@ -8,6 +8,7 @@ import json
 import pickle
 from pathlib import Path
 
+from ..files import written_aside
 from .config import BenchConfig
 from .questions import Question
 from .worker import QuestionResult
@@ -80,6 +81,5 @@ class PartialStore:
     def save(self, result: QuestionResult) -> None:
         """Store a finished question's result, atomically (a temporary file renamed into place)."""
         path = self.dir / f"q{result.question.question_id}.pkl"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
-        tmp.replace(path)
+        with written_aside(path) as aside:
+            aside.write_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from ..draft import Draft
+from ..files import written_aside
 from ..machine import cpu_name
 from ..models.attention import ATTENTION
 from ..models.embedded import cache_dir
@@ -209,9 +210,8 @@ def _write(path: Path, data: dict) -> None:
     """A calibration cached whole or not at all; a read-only home still decodes, it only calibrates again next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(data, indent=1))
-        partial.replace(path)
+        with written_aside(path) as aside:
+            aside.write_text(json.dumps(data, indent=1))
     except OSError as err:
         warnings.warn(f"cannot write the calibration cache {path}: {err}", stacklevel=3)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.eagle import SHARED_KEY
+from ..files import written_aside
 from ..models.eagle_head import EagleHead, TargetCheck, load_head, save_head
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,9 @@ class HeadStore:
             save_head(out / name, head, self.target.spec, TargetCheck.of(self.target.model), training)
             for written in (out / name / "head.safetensors", out / name / "config.json", out / name):
                 _flush(written)
-            pointer = out / "current.tmp"
-            pointer.write_text(name + "\n", encoding="utf-8")
-            _flush(pointer)
-            os.replace(pointer, out / "current")
+            with written_aside(out / "current") as pointer:
+                pointer.write_text(name + "\n", encoding="utf-8")
+                _flush(pointer)
             _flush(out)
             for old in _versions(out)[2:]:  # the new one and the one before it stay
                 shutil.rmtree(old, ignore_errors=True)

@@ -20,13 +20,13 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from ..files import written_aside
 from ..models.chat import chat_prompt_ids
 from .length_batches import length_batches
 from .prompts import read_prompts
@@ -255,18 +255,17 @@ class _Training:
         self.step, self.meta = int(ckpt["step"]), ckpt.get("meta", {})
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        torch.save(
-            {
-                "step": self.step,
-                "layers": self.layers,
-                "trainable": {n: p.detach() for n, p in self.params.items()},
-                "optimizer": self.optimizer.state_dict(),
-                "meta": self.meta,
-            },
-            tmp,
-        )
-        os.replace(tmp, self.path)
+        with written_aside(self.path) as aside:
+            torch.save(
+                {
+                    "step": self.step,
+                    "layers": self.layers,
+                    "trainable": {n: p.detach() for n, p in self.params.items()},
+                    "optimizer": self.optimizer.state_dict(),
+                    "meta": self.meta,
+                },
+                aside,
+            )
 
     def run(
         self, examples, batch_tokens: int, steps: int, lr: float, seed: int, pad: int, save_every: int, progress

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
+from ..files import written_aside
 from ..models.chat import chat_prompt_ids
 from ..models.features import feature_columns, feature_tap
 from .eagle_sequences import TokenFeatures
@@ -178,25 +179,21 @@ def _claim(out: Path, feature_layers: tuple[int, ...]) -> None:
 
 
 def _write_summary(out: Path, summary: dict) -> None:
-    tmp = out / "corpus.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    tmp.rename(out / "corpus.json")
+    with written_aside(out / "corpus.json") as aside:
+        aside.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
 
 
 def _save_shard(path: Path, seqs: list[TokenFeatures], prompt_lengths: list[int]) -> None:
     if not all(bool(s.features.isfinite().all()) for s in seqs):
         raise ValueError(f"{path}: a feature overflows float16 (a decoder layer's output): choose other layers")
-    tmp = path.with_suffix(".tmp")
-    save_file(
-        {
-            "tokens": torch.cat([s.tokens for s in seqs]),
-            "features": torch.cat([s.features for s in seqs]),
-            "lengths": torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64),
-            "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int64),
-        },
-        str(tmp),
-    )
-    tmp.rename(path)
+    tensors = {
+        "tokens": torch.cat([s.tokens for s in seqs]),
+        "features": torch.cat([s.features for s in seqs]),
+        "lengths": torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64),
+        "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int64),
+    }
+    with written_aside(path) as aside:
+        save_file(tensors, str(aside))
 
 
 def refeature_corpus(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import written_aside
 from ..models.eagle_head import EagleHead, TargetCheck, head_config_for, head_fingerprint, save_head
 from .eagle_loss import head_loss, step_masks
 from .eagle_sequences import TrainingSequences
@@ -176,23 +177,22 @@ class _Training:
     def save(self, checkpoint: Path | None) -> None:
         if checkpoint is None:
             return
-        tmp = checkpoint.with_suffix(".tmp")
-        torch.save(
-            {
-                "config": asdict(self.cfg),
-                "steps": self.steps,
-                "step": self.step,
-                "seconds": self.seconds,
-                "tokens_seen": self.seen,
-                "init": self.init,
-                "head": self.head.state_dict(),
-                "optim": self.optim.state_dict(),
-                "sched": self.sched.state_dict(),
-                "rng": torch.get_rng_state(),
-            },
-            tmp,
-        )
-        tmp.rename(checkpoint)
+        with written_aside(checkpoint) as aside:
+            torch.save(
+                {
+                    "config": asdict(self.cfg),
+                    "steps": self.steps,
+                    "step": self.step,
+                    "seconds": self.seconds,
+                    "tokens_seen": self.seen,
+                    "init": self.init,
+                    "head": self.head.state_dict(),
+                    "optim": self.optim.state_dict(),
+                    "sched": self.sched.state_dict(),
+                    "rng": torch.get_rng_state(),
+                },
+                aside,
+            )
 
     def train_step(self, idx: list[int]) -> dict[str, float]:
         """One optimiser step on the sequences `idx` (reading or computing their features counts in its time);
