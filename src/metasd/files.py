@@ -1,7 +1,7 @@
 """Files written whole or not at all: the caller writes to a path beside the file, named for this process, which is
 renamed over the file when the writing ends and removed if it fails, so that a reader, a resumed run or another
 process writing the same file at once never finds one cut short (checkpoints, corpus shards, cached T(M) tables,
-the pointer to a learned head in service)."""
+the pointer to a learned head in service, the embedded model's GGUF)."""
 
 from __future__ import annotations
 

