@@ -9,7 +9,6 @@ comes, differs by machine and dtype, so it is measured."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -76,18 +75,18 @@ def calibrate(
         cache = DynamicCache(config=model.config)
         return seconds(lambda: model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1), device)
 
-    prefills = interleaved_medians({kernel: functools.partial(prefill, kernel) for kernel in candidates}, PREFILL_REPS)
+    prefills = interleaved_medians(prefill, candidates, PREFILL_REPS)
     beyond = min(candidates, key=prefills.__getitem__)
 
-    def step(m: int, kernel: str) -> float:
+    def step(key: tuple[int, str]) -> float:
+        m, kernel = key
         install(model, [kernel] * max_tokens, beyond=beyond, keep=True)
         new = ids[:, context : context + m]
         elapsed = seconds(lambda: model(input_ids=new, cache=cache, use_cache=True, logits_to_keep=m), device)
         cache.crop(-m)
         return elapsed
 
-    runs = {(m, kernel): functools.partial(step, m, kernel) for m in range(1, max_tokens + 1) for kernel in candidates}
-    medians = interleaved_medians(runs, reps)
+    medians = interleaved_medians(step, [(m, k) for m in range(1, max_tokens + 1) for k in candidates], reps)
     kernels = [min(candidates, key=lambda k, m=m: medians[m, k]) for m in range(1, max_tokens + 1)]
     install(model, kernels, beyond)
     return Calibration([medians[m, k] for m, k in enumerate(kernels, 1)], kernels, beyond)
@@ -270,7 +269,7 @@ def calibrate_batch(model: torch.nn.Module, sizes: Sequence[int], max_width: int
             return elapsed
 
         widths = range(1, max_width + 1)
-        medians = interleaved_medians({width: functools.partial(forward, width) for width in widths}, reps)
+        medians = interleaved_medians(forward, widths, reps)
         out[size] = [medians[width] for width in widths]
     return out
 

@@ -17,7 +17,6 @@ drew the draft: int8 changes which tokens are drafted, never the target's output
 from __future__ import annotations
 
 import copy
-import functools
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -138,7 +137,7 @@ class EagleDrafter(AutoregressiveDrafter):
                 install(floats, [name.partition(", ")[2]], keep=True)  # oneDNN's copies made once, not timed
             return step_seconds(candidates[name])
 
-        medians = interleaved_medians({name: functools.partial(run, name) for name in candidates}, reps)
+        medians = interleaved_medians(run, candidates, reps)
         best = min(medians, key=medians.__getitem__)
         # the float layers (catch-ups; the draft steps too if they won) keep no oneDNN copies they do not use
         install(floats, [best.partition(", ")[2] if candidates[best] is floats else KERNELS[0]])

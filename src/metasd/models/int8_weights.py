@@ -17,7 +17,6 @@ by compute rather than by memory and can run slower in int8), so `auto` times it
 from __future__ import annotations
 
 import copy
-import functools
 import sys
 import warnings
 
@@ -117,7 +116,7 @@ def int8_rows(model: torch.nn.Module, twin: torch.nn.Module, reps: int = 3) -> i
                 route_rows(twin, rows if which else faster)
             return forward_seconds(twin if which or faster else model, rows)
 
-        medians = interleaved_medians({which: functools.partial(run, which) for which in (0, 1)}, reps)
+        medians = interleaved_medians(run, (0, 1), reps)
         if medians[1] >= medians[0]:
             break
         faster = rows

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
@@ -31,13 +31,13 @@ def seconds(run: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_medians(runs: Mapping[K, Callable[[], float]], reps: int) -> dict[K, float]:
-    """Median of each run's seconds over `reps` passes after a warm-up pass, the runs in turn within each pass (in
-    the mapping's order). A run returns the seconds it measured, so that its own setup stays out of them."""
-    times: dict[K, list[float]] = {key: [] for key in runs}
+def interleaved_medians(run: Callable[[K], float], keys: Iterable[K], reps: int) -> dict[K, float]:
+    """Median of `run(key)`'s seconds for each key over `reps` passes after a warm-up pass, the keys in turn within
+    each pass (in their order). `run` returns the seconds it measured, so that its own setup stays out of them."""
+    times: dict[K, list[float]] = {key: [] for key in keys}
     for rep in range(reps + 1):
-        for key, run in runs.items():
-            elapsed = run()
+        for key, spent in times.items():
+            elapsed = run(key)
             if rep:  # the first pass warms up
-                times[key].append(elapsed)
+                spent.append(elapsed)
     return {key: statistics.median(t) for key, t in times.items()}
