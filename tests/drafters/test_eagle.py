@@ -17,12 +17,14 @@ from metasd.sampling import SamplingParams
 GREEDY = SamplingParams()
 
 
-def make_head(model, path, vocab: torch.Tensor | None = None, seed: int = 0, layers: tuple = ()) -> EagleHead:
-    """An untrained head for `model` (reading the outputs of decoder `layers` beside the final norm's), saved at
-    `path` (random weights: it drafts, mostly wrongly)."""
+def make_head(
+    model, path, vocab: torch.Tensor | None = None, seed: int = 0, layers: tuple = (), depth: int = 1
+) -> EagleHead:
+    """An untrained head of `depth` decoder layers for `model` (reading the outputs of decoder `layers` beside the
+    final norm's), saved at `path` (random weights: it drafts, mostly wrongly)."""
     torch.manual_seed(seed)
     vocab = torch.arange(model.config.vocab_size) if vocab is None else vocab
-    head = EagleHead(head_config_for(model, len(vocab), layers), vocab)
+    head = EagleHead(head_config_for(model, len(vocab), layers, depth), vocab)
     save_head(path, head, "test", TargetCheck.of(model), {})
     return head
 
@@ -51,13 +53,15 @@ def test_fused_features_are_the_layers_outputs_then_the_final_norms():
         CachedModel(model, keep_features=True, feature_layers=(3,)).logits_for([1, 2])
 
 
-@pytest.mark.parametrize(("weights", "layers"), [("unquantized", ()), ("int8", ()), ("auto", (0,))])
-def test_the_heads_cache_cannot_drift(tmp_path, weights, layers):
+@pytest.mark.parametrize(
+    ("weights", "layers", "depth"), [("unquantized", (), 1), ("int8", (), 1), ("auto", (0,), 1), ("auto", (0,), 2)]
+)
+def test_the_heads_cache_cannot_drift(tmp_path, weights, layers, depth):
     """After drafts, rejections and rounds it sat out, the head drafts what a fresh head drafts from the same
-    context: its q rows are the same, whichever weights its draft steps run on and whichever features it fuses
-    (here a cache keeping more layers than the head reads)."""
+    context: its q rows are the same, whichever weights its draft steps run on, whichever features it fuses (here a
+    cache keeping more layers than the head reads) and however many decoder layers it has."""
     model = tiny_llama(64, layers=2)
-    head = make_head(model, tmp_path, layers=layers)
+    head = make_head(model, tmp_path, layers=layers, depth=depth)
     lm = CachedModel(model, keep_features=True, feature_layers=(0, 1))
     drafter = EagleDrafter(head, model, "eagle", 64, weights=weights)
     drafter.read_features_from(lm)
@@ -79,16 +83,19 @@ def test_the_heads_cache_cannot_drift(tmp_path, weights, layers):
     assert torch.allclose(mine.q, theirs.q, atol=1e-5)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_k=20)], ids=["greedy", "sampled"])
-def test_forks_drafting_together_draft_what_each_drafts_alone(tmp_path, params):
+def test_forks_drafting_together_draft_what_each_drafts_alone(tmp_path, params, depth):
     """A batch's forks of one head, with contexts of different lengths and drafts of different lengths, draft in
     one step per token what each fork drafts alone: the same tokens from the same q (sampled: the same generator
-    states), and the forks' caches are left as drafting alone leaves them for the next round."""
+    states), and the forks' caches are left as drafting alone leaves them for the next round; a deeper head lays
+    every layer's cache side by side."""
     model = tiny_llama(64, layers=2)
-    head = make_head(model, tmp_path, layers=(0,))
+    head = make_head(model, tmp_path, layers=(0,), depth=depth)
     with torch.no_grad():  # sharp attention: an untrained head attends almost evenly, blind to positions and masks
-        for proj in (head.body.layers[0].self_attn.q_proj, head.body.layers[0].self_attn.k_proj):
-            proj.weight.mul_(10)
+        for layer in head.body.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.weight.mul_(10)
     contexts, ks = [[5, 6, 7, 8], [9, 3, 4, 1, 2, 11, 12], [20, 21]], [3, 4, 2]
 
     def forks() -> list[EagleDrafter]:
@@ -277,6 +284,19 @@ def test_a_fused_head_and_a_plain_one_read_one_cache_and_output_stays_the_target
         result = decoder.generate(ids, max_new_tokens=24, policy=f"fixed:{spec}")
         assert result.token_ids == greedy_reference(embedded.model, ids, 24)
         assert result.stats.drafters()[spec].drafted > 0
+
+
+def test_a_deeper_head_drafts_and_output_stays_the_targets(embedded, tmp_path):
+    """A head of two decoder layers (its cache of both kept and cut as one) drafts, and greedy output is the
+    target's."""
+    make_head(embedded.model, tmp_path, torch.arange(8192), layers=(1, 14), depth=2)
+    spec = f"eagle:{tmp_path}"
+    decoder = Decoder(drafters=[spec], policy=f"fixed:{spec}")
+    assert len(decoder.drafters[spec].loaded_head.body.layers) == 2
+    ids = decoder.encode("Name two rivers in Europe.")
+    result = decoder.generate(ids, max_new_tokens=24)
+    assert result.token_ids == greedy_reference(embedded.model, ids, 24)
+    assert result.stats.drafters()[spec].drafted > 0
 
 
 def test_an_unknown_weights_word_is_read_as_part_of_the_path(embedded, head_dir):

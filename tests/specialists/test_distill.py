@@ -1,6 +1,9 @@
 """`metasd distill` on a tiny budget: the saved drafter loads as lm:DIR, drafts, decodes losslessly, and resumes."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +16,17 @@ from metasd.specialists.prompts import chat_turn, prompt_messages, read_prompts
 def test_prompt_formats(tmp_path):
     assert prompt_messages({"prompt": "Hi"}) == [{"role": "user", "content": "Hi"}]
     assert prompt_messages({"turns": ["First", "Second"]}) == [{"role": "user", "content": "First"}]
-    chat = {
-        "conversations": [
-            {"from": "human", "value": "Q?"},
-            {"from": "gpt", "value": "A."},
-            {"from": "human", "value": "More?"},
-        ]
-    }
-    assert prompt_messages(chat) == [{"role": "user", "content": "Q?"}]  # up to the first answer
+    turns = [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A."}, {"from": "human", "value": "More?"}]
+    # a chat request (the user speaks last): the conversation so far, the earlier answer as context
+    assert prompt_messages({"messages": turns}) == [
+        {"role": "user", "content": "Q?"},
+        {"role": "assistant", "content": "A."},
+        {"role": "user", "content": "More?"},
+    ]
+    # a recorded conversation (ShareGPT's, however it ends; messages ending with an answer): its opening request
+    assert prompt_messages({"conversations": turns}) == [{"role": "user", "content": "Q?"}]
+    answered = {"messages": [*turns, {"from": "gpt", "value": "B."}]}
+    assert prompt_messages(answered) == [{"role": "user", "content": "Q?"}]
     assert prompt_messages({"messages": [{"role": "assistant", "content": "x"}]}) is None
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"nothing": 1}\n')
@@ -100,3 +106,39 @@ def test_tiny_distillation_loads_as_lm_and_stays_lossless(embedded, tmp_path):
     result = decoder.generate(ids, max_new_tokens=12)
     assert result.token_ids == reference
     assert result.stats.to_dict()["drafters"][f"lm:{out}"]["drafted"] > 0
+
+
+def test_second_turns_are_written_as_chat_requests_and_read_whole(tmp_path):
+    """scripts/later_turn_prompts.py: each conversation's second request with the exchange before it, read back as
+    a chat request of three turns; a conversation without one, a short request or a malformed record is left out."""
+    ask = "Now say the same thing in French, please."
+    records = [
+        {"conversations": [{"from": "human", "value": "Say hello."}, {"from": "gpt", "value": "Hello!"}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "Hi"},
+                {"from": "gpt", "value": "Hey"},
+                {"from": "human", "value": "ok"},
+            ]
+        },
+        {"conversations": {"from": "human"}},
+        {
+            "conversations": [
+                {"from": "human", "value": "Say hello."},
+                {"from": "gpt", "value": "Hello!"},
+                {"from": "human", "value": ask},
+                {"from": "gpt", "value": "Bonjour !"},
+            ]
+        },
+    ]
+    source, out = tmp_path / "chat.jsonl", tmp_path / "second.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n", encoding="utf-8")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "later_turn_prompts.py"
+    subprocess.run([sys.executable, str(script), str(source), str(out)], check=True, capture_output=True)
+    assert read_prompts(out) == [
+        [
+            {"role": "user", "content": "Say hello."},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": ask},
+        ]
+    ]

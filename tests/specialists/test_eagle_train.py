@@ -77,6 +77,24 @@ def test_train_eagle_writes_a_head_the_decoder_drafts_with(tiny_target, prompts_
     assert result.stats.drafters()[f"eagle:{out}"].drafted > 0
 
 
+def test_train_eagle_grows_an_init_head_and_refuses_to_cut_one(tiny_target, prompts_file, tmp_path, capsys):
+    """--head-layers grows an --init head (its default: the --init head's depth); fewer layers than the --init head
+    has is refused before the target answers a single prompt."""
+    base = ["train-eagle", "--target", tiny_target, "--quiet", "--threads", "1", "--batch-tokens", "256"]
+    one = tmp_path / "one"
+    answers = ["--prompts", prompts_file, "--max-new-tokens", "6", "--draft-vocab", "512"]
+    assert main([*base, *answers, "--out", str(one)]) == 0
+    phase = [*base, "--corpus", str(one / "corpus"), "--epochs", "0.01", "--lr", "0"]
+    assert main([*phase, "--init", str(one), "--head-layers", "2", "--out", str(tmp_path / "two")]) == 0
+    assert main([*phase, "--init", str(tmp_path / "two"), "--out", str(tmp_path / "three")]) == 0
+    assert [load_head(tmp_path / n).head.config.decoder_layers for n in ("one", "two", "three")] == [1, 2, 2]
+    capsys.readouterr()
+    cut = [*base, "--prompts", prompts_file, "--init", str(tmp_path / "two"), "--head-layers", "1"]
+    assert main([*cut, "--out", str(tmp_path / "four")]) == 2
+    assert "can grow a head, not cut it" in capsys.readouterr().err
+    assert not (tmp_path / "four" / "corpus").exists()
+
+
 def test_a_head_trains_on_the_union_of_corpora_written_before(tiny_target, prompts_file, tmp_path, capsys):
     """The OFA head of the MetaEagle pool: no prompts, the domain corpora as they are; a missing one is refused."""
     from metasd.models.loading import load_model
@@ -178,6 +196,16 @@ def test_a_phase_starts_from_the_head_before_it_and_reads_text_it_did_not(tiny_t
     assert record["held_out"]["sequences"] == len(seqs)
     with pytest.raises(ValueError, match="reads layers"):
         train_head(target, seqs, tmp_path / "four", TrainConfig(unroll=2, feature_layers=(0,)), init=before)
+    deeper = TrainConfig(epochs=0.01, lr=0.0, batch_tokens=64, unroll=2, head_layers=2)
+    train_head(target, seqs, tmp_path / "three", deeper, init=before)
+    grown_head = load_head(tmp_path / "three").head
+    assert len(grown_head.body.layers) == 2 and grown_head.config.decoder_layers == 2
+    feats = torch.randn(1, 6, before.config.hidden_size)
+    embeds = torch.randn(1, 6, before.config.hidden_size)
+    with torch.no_grad():  # its new layer starts as the identity: it predicts what the head it grew from does
+        torch.testing.assert_close(grown_head(feats, embeds), before(feats, embeds), atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="2 decoder layers, the training 1"):
+        train_head(target, seqs, tmp_path / "five", again, init=grown_head)
     documents = [[1] * 5, [2] * 7, [3] * 4, [4] * 9]
     assert _first_tokens(documents, 10) == documents[:2] and _after_tokens(documents, 10) == documents[2:]
     assert _after_tokens(documents, 0) == documents and _after_tokens(documents, 100) == []
@@ -218,14 +246,14 @@ def test_a_held_out_set_of_answers_counts_the_answers_positions_only(tiny_target
         assert n == all_pairs - (answer.prompt - 1) and n == len(answer.tokens) - answer.prompt - 1 > 0
 
 
-@pytest.mark.parametrize("layers", [(), (0,)])
-def test_every_unrolled_pass_computes_what_the_draft_step_it_stands_for_computes(layers):
+@pytest.mark.parametrize(("layers", "depth"), [((), 1), ((0,), 1), ((0,), 2)])
+def test_every_unrolled_pass_computes_what_the_draft_step_it_stands_for_computes(layers, depth):
     """Training-time test as deep as drafts go: pass s's entry i, fed pass s - 1's prediction of f_i, equals the
     step drafting token s after a catch-up over the true entries 0 .. i - s + 1 (the head's cache as `EagleDrafter`
-    builds it) and s - 1 steps from its own predictions."""
+    builds it) and s - 1 steps from its own predictions; in every decoder layer of a deeper head."""
     torch.manual_seed(0)
     model = tiny_llama(64, layers=1)
-    head = EagleHead(head_config_for(model, 64, layers), torch.arange(64)).eval()
+    head = EagleHead(head_config_for(model, 64, layers, depth), torch.arange(64)).eval()
     d = model.config.hidden_size
     feats, embeds = torch.randn(1, 9, d * (len(layers) + 1)), torch.randn(1, 9, d)
     with torch.no_grad():

@@ -77,7 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_training_arguments(p: argparse.ArgumentParser) -> None:
-    """How the head trains: the schedule, the batches, the draft vocabulary, the unroll and the features."""
+    """How the head trains: the schedule, the batches, the draft vocabulary, the unroll, the features and the
+    head's depth."""
     p.add_argument(
         "--init",
         default=None,
@@ -114,6 +115,14 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--unroll >= 2; a corpus is written with them, and one holding more is read for these (default: %(default)s)",
     )
     p.add_argument(
+        "--head-layers",
+        type=int,
+        metavar="N",
+        default=None,
+        help="the head's own decoder layers; a head given by --init grows to them, its new layers starting as the "
+        "identity (default: the --init head's, else 1, EAGLE's)",
+    )
+    p.add_argument(
         "--autocast",
         action="store_true",
         help="train the head's matmuls in bfloat16 (float32 weights): faster where the CPU has bfloat16 matmuls",
@@ -132,10 +141,11 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("nothing to train on: give --prompts (the target answers them), --corpus or --texts")
     target = load_model(args.target, args.dtype)
     layers = feature_layers(args.feature_layers, target.model.config.num_hidden_layers)
+    init = _init_head(args, target, layers)  # refused before the corpus is written, not after
     started = time.perf_counter()
     corpus, texts, seqs = _corpus(args, target, layers, corpus_dirs)
     corpus_seconds = time.perf_counter() - started
-    summary = _train(args, target, layers, seqs)
+    summary = _train(args, target, layers, seqs, init)
     report = {"corpus": corpus, "texts": texts, "corpus_wall_seconds": round(corpus_seconds, 1), "training": summary}
     print(json.dumps(report, indent=1))
 
@@ -152,6 +162,7 @@ def _check_args(args: argparse.Namespace) -> None:
         "batch_tokens",
         "draft_vocab",
         "evaluate_every",
+        "head_layers",
     ):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -239,11 +250,32 @@ def _stored_texts(args: argparse.Namespace, target, layers: tuple[int, ...], pro
     return texts, read_corpus(texts_dir, layers)
 
 
-def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list) -> dict:
-    """Train the head on `seqs` (and report on --held-out), write it to OUT; its training summary."""
+def _init_head(args: argparse.Namespace, target, layers: tuple[int, ...]):
+    """The --init head (None without one), refused if it reads other layers than --feature-layers or has more
+    decoder layers than --head-layers."""
+    from ..models.eagle_head import load_head
+
+    if args.init is None:
+        return None
+    init = load_head(args.init, target.model).head
+    if tuple(init.config.feature_layers) != layers:
+        raise ValueError(
+            f"--init {args.init} reads layers {list(init.config.feature_layers)}, --feature-layers gives "
+            f"{list(layers)}: train it with the feature layers it was made with"
+        )
+    if args.head_layers is not None and args.head_layers < init.config.decoder_layers:
+        raise ValueError(
+            f"--init {args.init} has {init.config.decoder_layers} decoder layers; --head-layers can grow a head, "
+            f"not cut it ({args.head_layers})"
+        )
+    return init
+
+
+def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list, init) -> dict:
+    """Train the head on `seqs` (and report on --held-out), starting from `init` (None: a new head), write it to OUT;
+    its training summary."""
     from tqdm import tqdm
 
-    from ..models.eagle_head import load_head
     from ..specialists.eagle_corpus import read_corpus
     from ..specialists.eagle_prefill import PrefilledSequences
     from ..specialists.eagle_sequences import StoredSequences
@@ -259,6 +291,7 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
         align_top=args.align_top,
         feature_layers=layers,
         autocast=args.autocast,
+        head_layers=args.head_layers or (init.config.decoder_layers if init is not None else 1),
     )
     # streamed: every sequence's features (the answers' too) come from a prefill as its batch needs them
     training = (
@@ -287,7 +320,7 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
             checkpoint=out / "checkpoint.pt",
             evaluate_every=args.evaluate_every,
             progress=trained,
-            init=None if args.init is None else load_head(args.init, target.model).head,
+            init=init,
         )
 
 

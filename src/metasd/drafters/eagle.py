@@ -339,16 +339,18 @@ class EagleDrafter(AutoregressiveDrafter):
         """One cache holding each row's entries at [0, length), zeros after up to the longest, and the additive
         mask [B, 1, 1, longest] that hides those zeros."""
         longest = max(lengths)
-        layer = caches[0].layers[0]
-        keys = layer.keys.new_zeros(len(caches), *layer.keys.shape[1:2], longest, layer.keys.shape[-1])
-        values = torch.zeros_like(keys)
-        mask = keys.new_full((len(caches), 1, 1, longest), float("-inf"))
-        for row, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
-            keys[row, :, :length] = cache.layers[0].keys[0, :, :length]
-            values[row, :, :length] = cache.layers[0].values[0, :, :length]
-            mask[row, ..., :length] = 0.0
         side = DynamicCache(config=self.head.body.config)
-        side.update(keys, values, 0)
+        for depth in range(len(caches[0].layers)):  # the head's decoder layers
+            layer = caches[0].layers[depth]
+            keys = layer.keys.new_zeros(len(caches), *layer.keys.shape[1:2], longest, layer.keys.shape[-1])
+            values = torch.zeros_like(keys)
+            for row, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
+                keys[row, :, :length] = cache.layers[depth].keys[0, :, :length]
+                values[row, :, :length] = cache.layers[depth].values[0, :, :length]
+            side.update(keys, values, depth)
+        mask = keys.new_full((len(caches), 1, 1, longest), float("-inf"))
+        for row, length in enumerate(lengths):
+            mask[row, ..., :length] = 0.0
         return side, mask
 
     @torch.inference_mode()

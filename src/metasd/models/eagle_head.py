@@ -1,23 +1,26 @@
 """An EAGLE draft head (Li et al., "EAGLE", arXiv 2401.15077) and the directory it is saved as.
 
-The head is one decoder layer that reads, for position i, the target's feature f_i (the output of its final norm)
-fused with the embedding of token i + 1, and predicts f_(i+1); the target's own LM head, restricted to a draft
-vocabulary (the most frequent target tokens, as EAGLE-3, arXiv 2503.01840, reduces it), reads the prediction out
-as the next token's logits. Drafting feeds the head its own predicted features for the tokens it drafted. With
-`feature_layers` (EAGLE-3's fused features) a true f_i also holds those decoder layers' outputs, each scaled to
-unit RMS (a middle layer's residual stream reaches 10^4 on attention-sink tokens) and reduced to one vector by a
-linear layer that starts as "take the final norm's output".
+The head is a decoder layer (or a few: `HeadConfig.decoder_layers`) that reads, for position i, the target's feature f_i
+(the output of its final norm) fused with the embedding of token i + 1, and predicts f_(i+1); the target's own LM
+head, restricted to a draft vocabulary (the most frequent target tokens, as EAGLE-3, arXiv 2503.01840, reduces it),
+reads the prediction out as the next token's logits. Drafting feeds the head its own predicted features for the
+tokens it drafted. With `feature_layers` (EAGLE-3's fused features) a true f_i also holds those decoder layers'
+outputs, each scaled to unit RMS (a middle layer's residual stream reaches 10^4 on attention-sink tokens) and
+reduced to one vector by a linear layer that starts as "take the final norm's output". A deeper head can grow from
+a trained one (`grown`): its new layers start as the identity, so it drafts as the head it grew from until
+training moves them.
 
 The embedding and LM head are the target's (not stored): a head directory holds `head.safetensors` (the fusion
-layer, the decoder layer, the draft vocabulary) and `config.json` (shape, training facts, and what identifies the
+layer, the decoder layers, the draft vocabulary) and `config.json` (shape, training facts, and what identifies the
 target: architecture sizes and a sample of its embedding, so a head is refused on another model).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -32,8 +35,8 @@ _SAMPLE = (8, 8)  # rows x columns of the target's embedding stored as its finge
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """An EAGLE head's shape: the target's width and attention layout, its draft vocabulary size and the decoder
-    layers whose outputs it fuses (EAGLE-3)."""
+    """An EAGLE head's shape: the target's width and attention layout, its draft vocabulary size, the decoder
+    layers whose outputs it fuses (EAGLE-3) and how many decoder layers of its own it has (EAGLE's is one)."""
 
     hidden_size: int
     intermediate_size: int
@@ -45,6 +48,7 @@ class HeadConfig:
     max_position_embeddings: int
     draft_vocab_size: int
     feature_layers: tuple[int, ...] = ()  # decoder layers read beside the final norm (EAGLE-3's fused features)
+    decoder_layers: int = 1  # the head's own (EAGLE's head has one)
 
 
 @dataclass
@@ -78,8 +82,12 @@ class TargetCheck:
         return None
 
 
-def head_config_for(model: torch.nn.Module, draft_vocab_size: int, feature_layers: tuple[int, ...] = ()) -> HeadConfig:
-    """A head shaped like one decoder layer of the target."""
+def head_config_for(
+    model: torch.nn.Module, draft_vocab_size: int, feature_layers: tuple[int, ...] = (), decoder_layers: int = 1
+) -> HeadConfig:
+    """A head of `decoder_layers` decoder layers shaped like the target's."""
+    if decoder_layers < 1:
+        raise ValueError(f"a head has at least one decoder layer, got {decoder_layers}")
     c = model.config
     return HeadConfig(
         hidden_size=c.hidden_size,
@@ -92,13 +100,14 @@ def head_config_for(model: torch.nn.Module, draft_vocab_size: int, feature_layer
         max_position_embeddings=c.max_position_embeddings,
         draft_vocab_size=draft_vocab_size,
         feature_layers=tuple(sorted(set(feature_layers))),  # the order targets keep them in
+        decoder_layers=decoder_layers,
     )
 
 
 class EagleHead(torch.nn.Module):
-    """An EAGLE head (Li et al., arXiv 2401.15077): one decoder layer over (feature of position i, embedding of
-    token i + 1) predicting the feature of position i + 1; with fused features, EAGLE-3's fusion of several layers'
-    outputs first."""
+    """An EAGLE head (Li et al., arXiv 2401.15077): decoder layers (EAGLE's one, or more) over (feature of position
+    i, embedding of token i + 1) predicting the feature of position i + 1; with fused features, EAGLE-3's fusion of
+    several layers' outputs first."""
 
     def __init__(self, config: HeadConfig, draft_vocab: torch.Tensor):
         super().__init__()
@@ -122,7 +131,7 @@ class EagleHead(torch.nn.Module):
             pad_token_id=None,
             hidden_size=d,
             intermediate_size=config.intermediate_size,
-            num_hidden_layers=1,
+            num_hidden_layers=config.decoder_layers,
             num_attention_heads=config.num_attention_heads,
             num_key_value_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
@@ -163,6 +172,30 @@ class EagleHead(torch.nn.Module):
             position_ids=position_ids,
             attention_mask=attention_mask,
         ).last_hidden_state
+
+
+def grown(head: EagleHead, decoder_layers: int) -> EagleHead:
+    """A copy of `head` with `decoder_layers` decoder layers, the new ones after its own and each the identity
+    (their attention's and MLP's output projections zero: a residual layer adding nothing), so it computes exactly
+    what `head` computes until training moves them; gradients reach the new layers through those projections. The
+    global random state is left as it was (a training's noise draws what it drew without growing)."""
+    had = head.config.decoder_layers
+    if decoder_layers < had:
+        raise ValueError(f"a head of {had} decoder layers cannot grow to {decoder_layers}")
+    if decoder_layers == had:
+        return copy.deepcopy(head)
+    with torch.random.fork_rng(devices=[]):
+        deeper = EagleHead(replace(head.config, decoder_layers=decoder_layers), head.draft_vocab.clone())
+    missing, unexpected = deeper.load_state_dict(head.state_dict(), strict=False)
+    new = tuple(f"body.layers.{i}." for i in range(had, decoder_layers))
+    if unexpected or any(not name.startswith(new) for name in missing):
+        raise ValueError(f"cannot grow this head: unexpected {unexpected}, missing {missing}")
+    with torch.no_grad():
+        for layer in deeper.body.layers[had:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    param = next(head.parameters())
+    return deeper.to(device=param.device, dtype=param.dtype).train(head.training)
 
 
 @dataclass

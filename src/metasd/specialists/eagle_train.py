@@ -15,7 +15,6 @@ of similar length; causal attention keeps real positions from ever seeing paddin
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..files import written_aside
-from ..models.eagle_head import EagleHead, TargetCheck, head_config_for, head_fingerprint, save_head
+from ..models.eagle_head import EagleHead, TargetCheck, grown, head_config_for, head_fingerprint, save_head
 from .eagle_loss import head_loss, step_masks
 from .eagle_sequences import TrainingSequences
 from .length_batches import length_batches
@@ -40,7 +39,7 @@ _LEARNING_KEYS = ("step", "tokens_seen", "train_seconds", "final", "held_out")
 class TrainConfig:
     """How a head trains: epochs, peak learning rate, batch size in tokens, sequence length, draft vocabulary,
     input noise, the loss weights, the training-time test's depth (`unroll`), fused layers, the alignment mask
-    (`align_top`, 0 = off), seed, bfloat16 autocast."""
+    (`align_top`, 0 = off), seed, bfloat16 autocast, and the head's own decoder layers (`head_layers`)."""
 
     epochs: float = 2.0
     lr: float = 1e-3
@@ -55,6 +54,7 @@ class TrainConfig:
     align_top: int = 0  # GRIFFIN's loss mask: pass s trains only where passes 1 .. s-1 held their token in top-k
     seed: int = 0
     autocast: bool = False  # the head's matmuls in bfloat16 (weights and optimiser stay float32)
+    head_layers: int = 1  # decoder layers of the head (a head to start from grows to them: `eagle_head.grown`)
 
 
 def draft_vocabulary(seqs: TrainingSequences, size: int, vocab_size: int, always: frozenset[int]) -> torch.Tensor:
@@ -264,7 +264,8 @@ def train_head(
     out/learning.jsonl (a learning curve, and a usable head while a long run goes on).
     progress(step, steps, metrics) is called after each step (after its checkpoint).
     init: a head to start from (its weights and draft vocabulary; its fused layers must be `cfg`'s) instead of a new
-    one: a later phase of a long training, or a domain's head grown from a general one."""
+    one: a later phase of a long training, or a domain's head grown from a general one; with fewer decoder layers
+    than `cfg.head_layers` it grows to them, the new ones starting as the identity."""
     torch.manual_seed(cfg.seed)
     model = target.model
     if init is not None and tuple(init.config.feature_layers) != tuple(cfg.feature_layers):
@@ -272,13 +273,18 @@ def train_head(
             f"the head to start from reads layers {list(init.config.feature_layers)}, the training "
             f"{list(cfg.feature_layers)}: train it with the --feature-layers it was made with"
         )
+    if init is not None and init.config.decoder_layers > cfg.head_layers:
+        raise ValueError(
+            f"the head to start from has {init.config.decoder_layers} decoder layers, the training "
+            f"{cfg.head_layers} (--head-layers)"
+        )
     _check_config(cfg, model.config.hidden_size, seqs, held_out)
     held, seqs = (held_out, seqs) if held_out is not None else held_out_split(seqs)
     if init is None:
         vocab = draft_vocabulary(seqs, cfg.draft_vocab, target.vocab_size, target.eos_token_ids)
-        head = EagleHead(head_config_for(model, len(vocab), cfg.feature_layers), vocab)
+        head = EagleHead(head_config_for(model, len(vocab), cfg.feature_layers, cfg.head_layers), vocab)
     else:
-        head = copy.deepcopy(init).float()
+        head = grown(init, cfg.head_layers).float()
         vocab = head.draft_vocab
         cfg = replace(cfg, draft_vocab=len(vocab))  # the record says what the head has
     embed = model.get_input_embeddings().requires_grad_(False)  # the target's: gradients stop at the head

@@ -1,7 +1,10 @@
 """Prompt files: JSONL records read as chat prompts, for `metasd distill` and `metasd train-eagle` (the target answers
-them) in one set of formats: a string field (`prompt`, `question`, ...), Spec-Bench-like `turns` (the first), or a
-chat's `messages` / `conversations` up to its first answer (ShareGPT's `from`/`value` too); and a chat turn's role
-and content as every reader of chat records here (prompts, datastores, EAGLE texts) maps them."""
+them) in one set of formats: a string field (`prompt`, `question`, ...), Spec-Bench-like `turns` (the first), a
+chat request's `messages` ending with the user's turn (whole: the conversation so far, earlier answers included, as
+context), or a recorded conversation (`conversations`, ShareGPT's `from`/`value`, or `messages` ending with an
+answer) up to its first answer; and a chat turn's role and content as every reader of chat records here (prompts,
+datastores, EAGLE texts) maps them. ShareGPT's `conversations` are read up to their first answer even when they
+end with a user's turn: a scraped conversation often stops there by accident."""
 
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ def chat_turn(turn: dict) -> tuple[str, object]:
 
 
 def prompt_messages(record) -> list[dict] | None:
-    """A JSONL record's prompt as chat messages: a string field, Spec-Bench-like `turns`, or a chat's first turns."""
+    """A JSONL record's prompt as chat messages: a string field, Spec-Bench-like `turns`, a chat request's
+    `messages` (all of them when the last is the user's), or a conversation's turns before its first answer."""
     if isinstance(record, str):
         return [{"role": "user", "content": record}] if record.strip() else None
     if not isinstance(record, dict):
@@ -31,17 +35,15 @@ def prompt_messages(record) -> list[dict] | None:
     for field in ("messages", "conversations"):
         turns = record.get(field)
         if isinstance(turns, list):
-            messages = []
-            for turn in turns:
-                if not isinstance(turn, dict):
-                    return None
-                role, content = chat_turn(turn)
-                if role == "assistant":
-                    break  # the target writes the answer itself
-                if not isinstance(content, str):
-                    return None
-                messages.append({"role": role, "content": content})
-            return messages if any(m["role"] == "user" and m["content"].strip() for m in messages) else None
+            if not all(isinstance(turn, dict) for turn in turns):
+                return None
+            said = [dict(zip(("role", "content"), chat_turn(turn), strict=True)) for turn in turns]
+            request = field == "messages" and bool(said) and said[-1]["role"] != "assistant"
+            if not request and any(m["role"] == "assistant" for m in said):  # the target writes the first answer
+                said = said[: next(i for i, m in enumerate(said) if m["role"] == "assistant")]
+            if not all(isinstance(m["content"], str) for m in said):
+                return None
+            return said if any(m["role"] == "user" and m["content"].strip() for m in said) else None
     if isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
         return [{"role": "user", "content": record["turns"][0]}]
     for field in PROMPT_FIELDS:
