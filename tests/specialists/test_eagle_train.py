@@ -2,6 +2,7 @@
 where it stopped, and a head the decoder drafts with (greedy output unchanged)."""
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -204,6 +205,12 @@ def test_a_phase_starts_from_the_head_before_it_and_reads_text_it_did_not(tiny_t
     embeds = torch.randn(1, 6, before.config.hidden_size)
     with torch.no_grad():  # its new layer starts as the identity: it predicts what the head it grew from does
         torch.testing.assert_close(grown_head(feats, embeds), before(feats, embeds), atol=1e-3, rtol=1e-3)
+    own_rate = replace(deeper, epochs=0.05, grown_lr=1e-2)  # the grown layer learns, the head's own stay put
+    train_head(target, seqs, tmp_path / "six", own_rate, init=before)
+    moved = load_head(tmp_path / "six").head
+    for name, value in before.state_dict().items():
+        assert torch.equal(moved.state_dict()[name], value), name
+    assert moved.body.layers[1].self_attn.o_proj.weight.abs().max() > 0
     with pytest.raises(ValueError, match="2 decoder layers, the training 1"):
         train_head(target, seqs, tmp_path / "five", again, init=grown_head)
     documents = [[1] * 5, [2] * 7, [3] * 4, [4] * 9]

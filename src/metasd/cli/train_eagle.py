@@ -123,6 +123,13 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "identity (default: the --init head's, else 1, EAGLE's)",
     )
     p.add_argument(
+        "--grown-lr",
+        type=float,
+        default=None,
+        help="peak learning rate of the layers --head-layers adds to an --init head (they start as the identity, "
+        "and the head's own layers may want a gentler rate) (default: --lr)",
+    )
+    p.add_argument(
         "--autocast",
         action="store_true",
         help="train the head's matmuls in bfloat16 (float32 weights): faster where the CPU has bfloat16 matmuls",
@@ -292,6 +299,7 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
         feature_layers=layers,
         autocast=args.autocast,
         head_layers=args.head_layers or (init.config.decoder_layers if init is not None else 1),
+        grown_lr=args.grown_lr,
     )
     # streamed: every sequence's features (the answers' too) come from a prefill as its batch needs them
     training = (

@@ -55,6 +55,7 @@ class TrainConfig:
     seed: int = 0
     autocast: bool = False  # the head's matmuls in bfloat16 (weights and optimiser stay float32)
     head_layers: int = 1  # decoder layers of the head (a head to start from grows to them: `eagle_head.grown`)
+    grown_lr: float | None = None  # peak learning rate of the layers a head grew (None: `lr`)
 
 
 def draft_vocabulary(seqs: TrainingSequences, size: int, vocab_size: int, always: frozenset[int]) -> torch.Tensor:
@@ -127,10 +128,16 @@ def _check_config(cfg: TrainConfig, hidden_size: int, *corpora: TrainingSequence
 
 
 def _optimiser(
-    head: EagleHead, lr: float, steps: int
+    head: EagleHead, lr: float, steps: int, grown: int = 0, grown_lr: float | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW at peak rate `lr`, warmed up over the first ~5 % of the steps, with a cosine decay to 0."""
-    optim = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    """AdamW at peak rate `lr` (the last `grown` decoder layers at `grown_lr`: layers that start as the identity
+    move only as far as their rate takes them), warmed up over the first ~5 % of the steps, with a cosine decay
+    to 0."""
+    new = {id(p) for layer in head.body.layers[len(head.body.layers) - grown :] for p in layer.parameters()}
+    groups = [{"params": [p for p in head.parameters() if id(p) not in new], "lr": lr}]
+    if new:
+        groups.append({"params": [p for p in head.parameters() if id(p) in new], "lr": grown_lr or lr})
+    optim = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
@@ -292,7 +299,9 @@ def train_head(
     readout = whole[vocab].float()
     steps_per_epoch = len(_batches(seqs, cfg, random.Random(0)))
     steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    training = _Training(head, embed, readout, whole, seqs, held, cfg, steps, *_optimiser(head, cfg.lr, steps))
+    grew = head.config.decoder_layers - (init.config.decoder_layers if init is not None else head.config.decoder_layers)
+    optimiser = _optimiser(head, cfg.lr, steps, grew, cfg.grown_lr)
+    training = _Training(head, embed, readout, whole, seqs, held, cfg, steps, *optimiser)
     training.init = None if init is None else head_fingerprint(init)
     if checkpoint is not None and checkpoint.is_file():
         training.load(checkpoint)
