@@ -23,7 +23,7 @@ from metasd.specialists.eagle_corpus import (
 )
 from metasd.specialists.eagle_loss import head_loss, head_passes
 from metasd.specialists.eagle_sequences import StoredSequences
-from metasd.specialists.eagle_train import TrainConfig, held_out_metrics, train_head
+from metasd.specialists.eagle_train import TrainConfig, check_init, held_out_metrics, train_head
 
 PROMPTS = ["Name a colour.", "Count to three.", "Say hello.", "What is two plus two?", "Write one word."]
 
@@ -211,8 +211,11 @@ def test_a_phase_starts_from_the_head_before_it_and_reads_text_it_did_not(tiny_t
     for name, value in before.state_dict().items():
         assert torch.equal(moved.state_dict()[name], value), name
     assert moved.body.layers[1].self_attn.o_proj.weight.abs().max() > 0
-    with pytest.raises(ValueError, match="2 decoder layers, the training 1"):
-        train_head(target, seqs, tmp_path / "five", again, init=grown_head)
+    with pytest.raises(ValueError, match="2 decoder layers: a training can grow a head, not cut it"):
+        train_head(target, seqs, tmp_path / "five", replace(again, head_layers=1), init=grown_head)
+    assert check_init(grown_head, again).head_layers == 2  # unset: the depth of the head it starts from
+    with pytest.raises(ValueError, match="--grown-lr"):  # a rate for layers where none grow
+        check_init(grown_head, replace(again, grown_lr=1e-3))
     documents = [[1] * 5, [2] * 7, [3] * 4, [4] * 9]
     assert _first_tokens(documents, 10) == documents[:2] and _after_tokens(documents, 10) == documents[2:]
     assert _after_tokens(documents, 0) == documents and _after_tokens(documents, 100) == []

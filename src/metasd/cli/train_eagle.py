@@ -125,6 +125,7 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grown-lr",
         type=float,
+        metavar="LR",
         default=None,
         help="peak learning rate of the layers --head-layers adds to an --init head (they start as the identity, "
         "and the head's own layers may want a gentler rate) (default: --lr)",
@@ -138,7 +139,9 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Run `metasd train-eagle` with the parsed arguments."""
+    from ..models.eagle_head import load_head
     from ..models.loading import load_model
+    from ..specialists.eagle_train import check_init
 
     set_threads(args.threads)
     _check_args(args)
@@ -148,11 +151,12 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("nothing to train on: give --prompts (the target answers them), --corpus or --texts")
     target = load_model(args.target, args.dtype)
     layers = feature_layers(args.feature_layers, target.model.config.num_hidden_layers)
-    init = _init_head(args, target, layers)  # refused before the corpus is written, not after
+    init = None if args.init is None else load_head(args.init, target.model).head
+    cfg = check_init(init, _train_config(args, layers))  # refused before the corpus is written, not after
     started = time.perf_counter()
     corpus, texts, seqs = _corpus(args, target, layers, corpus_dirs)
     corpus_seconds = time.perf_counter() - started
-    summary = _train(args, target, layers, seqs, init)
+    summary = _train(args, target, layers, seqs, cfg, init)
     report = {"corpus": corpus, "texts": texts, "corpus_wall_seconds": round(corpus_seconds, 1), "training": summary}
     print(json.dumps(report, indent=1))
 
@@ -257,38 +261,11 @@ def _stored_texts(args: argparse.Namespace, target, layers: tuple[int, ...], pro
     return texts, read_corpus(texts_dir, layers)
 
 
-def _init_head(args: argparse.Namespace, target, layers: tuple[int, ...]):
-    """The --init head (None without one), refused if it reads other layers than --feature-layers or has more
-    decoder layers than --head-layers."""
-    from ..models.eagle_head import load_head
+def _train_config(args: argparse.Namespace, layers: tuple[int, ...]):
+    """How the head trains, from the arguments."""
+    from ..specialists.eagle_train import TrainConfig
 
-    if args.init is None:
-        return None
-    init = load_head(args.init, target.model).head
-    if tuple(init.config.feature_layers) != layers:
-        raise ValueError(
-            f"--init {args.init} reads layers {list(init.config.feature_layers)}, --feature-layers gives "
-            f"{list(layers)}: train it with the feature layers it was made with"
-        )
-    if args.head_layers is not None and args.head_layers < init.config.decoder_layers:
-        raise ValueError(
-            f"--init {args.init} has {init.config.decoder_layers} decoder layers; --head-layers can grow a head, "
-            f"not cut it ({args.head_layers})"
-        )
-    return init
-
-
-def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list, init) -> dict:
-    """Train the head on `seqs` (and report on --held-out), starting from `init` (None: a new head), write it to OUT;
-    its training summary."""
-    from tqdm import tqdm
-
-    from ..specialists.eagle_corpus import read_corpus
-    from ..specialists.eagle_prefill import PrefilledSequences
-    from ..specialists.eagle_sequences import StoredSequences
-    from ..specialists.eagle_train import TrainConfig, train_head
-
-    cfg = TrainConfig(
+    return TrainConfig(
         epochs=args.epochs,
         lr=args.lr,
         batch_tokens=args.batch_tokens,
@@ -298,9 +275,21 @@ def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list
         align_top=args.align_top,
         feature_layers=layers,
         autocast=args.autocast,
-        head_layers=args.head_layers or (init.config.decoder_layers if init is not None else 1),
+        head_layers=args.head_layers,
         grown_lr=args.grown_lr,
     )
+
+
+def _train(args: argparse.Namespace, target, layers: tuple[int, ...], seqs: list, cfg, init) -> dict:
+    """Train the head on `seqs` as `cfg` says (and report on --held-out), starting from `init` (None: a new head),
+    write it to OUT; its training summary."""
+    from tqdm import tqdm
+
+    from ..specialists.eagle_corpus import read_corpus
+    from ..specialists.eagle_prefill import PrefilledSequences
+    from ..specialists.eagle_sequences import StoredSequences
+    from ..specialists.eagle_train import train_head
+
     # streamed: every sequence's features (the answers' too) come from a prefill as its batch needs them
     training = (
         PrefilledSequences(target.model, [s.tokens for s in seqs], layers) if args.stream else StoredSequences(seqs)

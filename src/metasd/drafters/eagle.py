@@ -336,8 +336,8 @@ class EagleDrafter(AutoregressiveDrafter):
         return [(b.draft(), t) for b, t in zip(built, seconds, strict=True)]
 
     def _side_by_side(self, caches: list[DynamicCache], lengths: list[int]) -> tuple[DynamicCache, torch.Tensor]:
-        """One cache holding each row's entries at [0, length), zeros after up to the longest, and the additive
-        mask [B, 1, 1, longest] that hides those zeros."""
+        """One cache holding, in each of the head's decoder layers, each row's entries at [0, length), zeros after up
+        to the longest, and the additive mask [B, 1, 1, longest] that hides those zeros."""
         longest = max(lengths)
         side = DynamicCache(config=self.head.body.config)
         for depth in range(len(caches[0].layers)):  # the head's decoder layers

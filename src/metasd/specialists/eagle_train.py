@@ -54,8 +54,10 @@ class TrainConfig:
     align_top: int = 0  # GRIFFIN's loss mask: pass s trains only where passes 1 .. s-1 held their token in top-k
     seed: int = 0
     autocast: bool = False  # the head's matmuls in bfloat16 (weights and optimiser stay float32)
-    head_layers: int = 1  # decoder layers of the head (a head to start from grows to them: `eagle_head.grown`)
-    grown_lr: float | None = None  # peak learning rate of the layers a head grew (None: `lr`)
+    # the head's decoder layers (`HeadConfig.decoder_layers`; a head to start from grows to them: `eagle_head.grown`);
+    # None: the head to start from's, else 1
+    head_layers: int | None = None
+    grown_lr: float | None = None  # peak learning rate of the layers a head to start from grows (None: `lr`)
 
 
 def draft_vocabulary(seqs: TrainingSequences, size: int, vocab_size: int, always: frozenset[int]) -> torch.Tensor:
@@ -107,6 +109,28 @@ def held_out_metrics(
     return {"sequences": len(seqs), **{k: round(totals[k] / max(1, counts[k]), 4) for k in totals}}
 
 
+def check_init(init: EagleHead | None, cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its head's depth settled (`head_layers`: given, else the head to start from's, else 1); a
+    ValueError for a head to start from that reads other feature layers than `cfg` or has more decoder layers than
+    it trains, and for a rate of grown layers where none grow. Cheap: `metasd train-eagle` asks before it writes a
+    corpus."""
+    had = init.config.decoder_layers if init is not None else None
+    cfg = replace(cfg, head_layers=cfg.head_layers or had or 1)
+    if init is not None and tuple(init.config.feature_layers) != tuple(cfg.feature_layers):
+        raise ValueError(
+            f"the head to start from (--init) reads layers {list(init.config.feature_layers)}, the training "
+            f"{list(cfg.feature_layers)}: train it with the --feature-layers it was made with"
+        )
+    if had is not None and had > cfg.head_layers:
+        raise ValueError(
+            f"the head to start from (--init) has {had} decoder layers: a training can grow a head, not cut it "
+            f"(--head-layers {cfg.head_layers})"
+        )
+    if cfg.grown_lr is not None and (had is None or had == cfg.head_layers):
+        raise ValueError("a rate of grown layers (--grown-lr) needs a head to start from (--init) that grows")
+    return cfg
+
+
 def _check_config(cfg: TrainConfig, hidden_size: int, *corpora: TrainingSequences | None) -> None:
     """Refuse fused features without the training-time test or with their layers unsorted, an unroll out of range,
     an alignment mask with nothing to mask, and a corpus whose features are not those `cfg` reads."""
@@ -128,15 +152,18 @@ def _check_config(cfg: TrainConfig, hidden_size: int, *corpora: TrainingSequence
 
 
 def _optimiser(
-    head: EagleHead, lr: float, steps: int, grown: int = 0, grown_lr: float | None = None
+    head: EagleHead, lr: float, steps: int, new_layers: int = 0, new_lr: float | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW at peak rate `lr` (the last `grown` decoder layers at `grown_lr`: layers that start as the identity
+    """AdamW at peak rate `lr` (the last `new_layers` decoder layers at `new_lr`: layers that start as the identity
     move only as far as their rate takes them), warmed up over the first ~5 % of the steps, with a cosine decay
     to 0."""
-    new = {id(p) for layer in head.body.layers[len(head.body.layers) - grown :] for p in layer.parameters()}
+    layers = head.body.layers
+    new = {id(p) for layer in layers[len(layers) - new_layers :] for p in layer.parameters()}
     groups = [{"params": [p for p in head.parameters() if id(p) not in new], "lr": lr}]
     if new:
-        groups.append({"params": [p for p in head.parameters() if id(p) in new], "lr": grown_lr or lr})
+        groups.append(
+            {"params": [p for p in head.parameters() if id(p) in new], "lr": lr if new_lr is None else new_lr}
+        )
     optim = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -275,16 +302,7 @@ def train_head(
     than `cfg.head_layers` it grows to them, the new ones starting as the identity."""
     torch.manual_seed(cfg.seed)
     model = target.model
-    if init is not None and tuple(init.config.feature_layers) != tuple(cfg.feature_layers):
-        raise ValueError(
-            f"the head to start from reads layers {list(init.config.feature_layers)}, the training "
-            f"{list(cfg.feature_layers)}: train it with the --feature-layers it was made with"
-        )
-    if init is not None and init.config.decoder_layers > cfg.head_layers:
-        raise ValueError(
-            f"the head to start from has {init.config.decoder_layers} decoder layers, the training "
-            f"{cfg.head_layers} (--head-layers)"
-        )
+    cfg = check_init(init, cfg)
     _check_config(cfg, model.config.hidden_size, seqs, held_out)
     held, seqs = (held_out, seqs) if held_out is not None else held_out_split(seqs)
     if init is None:
@@ -299,7 +317,7 @@ def train_head(
     readout = whole[vocab].float()
     steps_per_epoch = len(_batches(seqs, cfg, random.Random(0)))
     steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    grew = head.config.decoder_layers - (init.config.decoder_layers if init is not None else head.config.decoder_layers)
+    grew = 0 if init is None else cfg.head_layers - init.config.decoder_layers
     optimiser = _optimiser(head, cfg.lr, steps, grew, cfg.grown_lr)
     training = _Training(head, embed, readout, whole, seqs, held, cfg, steps, *optimiser)
     training.init = None if init is None else head_fingerprint(init)

@@ -38,7 +38,7 @@ def prompt_messages(record) -> list[dict] | None:
             if not all(isinstance(turn, dict) for turn in turns):
                 return None
             said = [dict(zip(("role", "content"), chat_turn(turn), strict=True)) for turn in turns]
-            request = field == "messages" and bool(said) and said[-1]["role"] != "assistant"
+            request = field == "messages" and bool(said) and said[-1]["role"] == "user"
             if not request and any(m["role"] == "assistant" for m in said):  # the target writes the first answer
                 said = said[: next(i for i, m in enumerate(said) if m["role"] == "assistant")]
             if not all(isinstance(m["content"], str) for m in said):
