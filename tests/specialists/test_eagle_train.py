@@ -161,7 +161,8 @@ def test_training_resumes_from_its_checkpoint_where_it_stopped(tiny_target, tmp_
             progress=interrupt,
         )
     state = torch.load(checkpoint, weights_only=False)
-    del state["config"]["feature_layers"]  # as written before fused features: read with the setting's default
+    for setting in ("feature_layers", "head_layers", "grown_lr"):  # as written before these: read as they were then
+        del state["config"][setting]
     torch.save(state, checkpoint)
     steps = []
     train_head(

@@ -195,8 +195,9 @@ class _Training:
 
     def load(self, checkpoint: Path) -> None:
         state = torch.load(checkpoint, weights_only=False)
-        # a setting the checkpoint predates had its default then
-        same = {**asdict(TrainConfig()), **state["config"]} == asdict(self.cfg) and state["steps"] == self.steps
+        # a setting the checkpoint predates had its default then (and every head had one decoder layer)
+        then = asdict(replace(TrainConfig(), head_layers=1))
+        same = {**then, **state["config"]} == asdict(self.cfg) and state["steps"] == self.steps
         if not same or state.get("init") != self.init:
             raise ValueError(
                 f"checkpoint {checkpoint} is of another training (configuration or the head it started from); "
