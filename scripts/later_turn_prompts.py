@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from metasd.specialists.prompts import chat_turn
+from metasd.specialists.prompts import chat_message
 
 SHORTEST_REQUEST = 20  # characters of a second request worth answering (as build_specialists.py keeps first turns)
 
@@ -27,7 +27,7 @@ def second_turns(lines: list[str], max_chars: int) -> list[list[dict]]:
     for line in lines:
         try:
             turns = json.loads(line).get("conversations")
-            said = [dict(zip(("role", "content"), chat_turn(t), strict=True)) for t in turns[:3]]
+            said = [chat_message(t) for t in turns[:3]]
         except (json.JSONDecodeError, AttributeError, TypeError, KeyError):
             continue  # not a conversation record
         if [m["role"] for m in said] != ["user", "assistant", "user"]:

@@ -25,7 +25,7 @@ from ..files import written_aside
 from ..models.chat import chat_prompt_ids
 from ..models.features import feature_columns, feature_tap
 from .eagle_sequences import TokenFeatures
-from .prompts import chat_turn, read_prompts
+from .prompts import chat_message, read_prompts
 
 
 def read_prompt_files(paths: list[str]) -> list[list[dict]]:
@@ -103,7 +103,7 @@ def encode_documents(tokenizer, paths: list[str], max_tokens: int) -> list[list[
             try:
                 record = json.loads(line)
                 turns = record.get("conversations") or record.get("messages") or []
-                messages = [dict(zip(("role", "content"), chat_turn(t), strict=True)) for t in turns]
+                messages = [chat_message(t) for t in turns]
             except (json.JSONDecodeError, AttributeError):
                 continue  # a record cut short in the corpus: the others suffice
             messages = [m for m in messages if isinstance(m["content"], str) and m["content"].strip()]

@@ -25,6 +25,12 @@ def chat_turn(turn: dict) -> tuple[str, object]:
     return _ROLES.get(speaker, "user"), turn.get("content", turn.get("value"))
 
 
+def chat_message(turn: dict) -> dict:
+    """A turn as a chat template's message: {"role": ..., "content": ...} as `chat_turn` reads them."""
+    role, content = chat_turn(turn)
+    return {"role": role, "content": content}
+
+
 def prompt_messages(record) -> list[dict] | None:
     """A JSONL record's prompt as chat messages: a string field, Spec-Bench-like `turns`, a chat request's
     `messages` (all of them when the last is the user's), or a conversation's turns before its first answer."""
@@ -37,7 +43,7 @@ def prompt_messages(record) -> list[dict] | None:
         if isinstance(turns, list):
             if not all(isinstance(turn, dict) for turn in turns):
                 return None
-            said = [dict(zip(("role", "content"), chat_turn(turn), strict=True)) for turn in turns]
+            said = [chat_message(turn) for turn in turns]
             request = field == "messages" and bool(said) and said[-1]["role"] == "user"
             if not request and any(m["role"] == "assistant" for m in said):  # the target writes the first answer
                 said = said[: next(i for i, m in enumerate(said) if m["role"] == "assistant")]
