@@ -10,7 +10,11 @@ can be copied from its prompt, so the free drafters propose little. Phase 1: the
 (`metasd.learning`, defaults but `--learn-every`, half a core at serving's priority) trains in the background.
 Phase 2: the learner stopped, each of the last 50 prompts (`--tail`) four times in turn: fixed:eagle and the
 default policy (`--policies`), each with the learned head and with the head as loaded (the drafter's history key
-set to None), each head with its own policy state across requests.
+set to None), each head with its own policy state across requests. Both arms start from the server as it stood
+before the tail: the learned head is the one in service then (phase 1 went on to learn from the tail's answers,
+which a fair comparison must not have seen), and each arm has its own copy of the free drafters' cross-request
+history of that moment, which it extends with its own outputs only (one history for all four would hold each
+prompt's greedy answer after its first arm, for the suffix drafter to copy whole).
 Usage: python experiments/learning_curve.py [--domain code|translation] [--requests 200] [--learn-every 2048]
   [--tail 50] [--new-tokens 64] [--target SPEC --drafters A,B,... --dtype bfloat16]   (another pair: its head among
   the drafters, named eagle:...)
@@ -18,6 +22,7 @@ Usage: python experiments/learning_curve.py [--domain code|translation] [--reque
 
 import argparse
 import ast
+import copy
 import gettext
 import json
 import random
@@ -72,6 +77,20 @@ def translation_prompts(n: int) -> list[str]:
     return out[:n]
 
 
+class FrozenLearning:
+    """`HeadLearning` serving one head, fixed, to the shared history key, and collecting nothing: the learned
+    head as it stood before the tail."""
+
+    def __init__(self, version: int, head):
+        self.version, self.head = version, head
+
+    def current(self, key: str):
+        return (self.version, self.head) if key == "" and self.head is not None else (0, None)
+
+    def collect(self, key, tokens, features, prompt) -> None:
+        pass
+
+
 def head_stats(result, name: str) -> tuple[int, int, int]:
     """(rounds the head drafted, tokens it drafted, tokens accepted)."""
     d = result.stats.drafters().get(name)
@@ -101,7 +120,12 @@ def main() -> None:
     ps = (code_prompts if args.domain == "code" else translation_prompts)(args.requests)
     started = time.perf_counter()
     curve = []
+    learns_across = [name for name, d in decoder.drafters.items() if d.learns_across_requests and name != eagle]
     for i, prompt in enumerate(ps):
+        if i == len(ps) - args.tail:  # the server as it stood before the tail, for phase 2's arms to start from
+            tail_version, tail_head = learner.current("")
+            tail_head = copy.deepcopy(tail_head)
+            tail_history = {name: copy.deepcopy(decoder.drafters[name]) for name in learns_across}
         result = decoder.generate(prompt, max_new_tokens=args.new_tokens, policy=f"fixed:{eagle}")
         rounds, drafted, accepted = head_stats(result, eagle)
         curve.append(
@@ -128,6 +152,7 @@ def main() -> None:
             )
     learner.close()
     phase1 = time.perf_counter() - started
+    final_version = learner.current("")[0]
 
     def mean_accepted(rows):  # accepted draft tokens + the target's own token, per round the head drafted
         return (sum(r["accepted"] for r in rows) + sum(r["rounds"] for r in rows)) / max(
@@ -139,11 +164,14 @@ def main() -> None:
     # what the policies learn across requests (the default's acceptance record of each drafter) is kept per head,
     # as on a server that serves only that head: interleaved in one state, each head would be judged by the other's
     states = dict.fromkeys(("learned", "loaded"), decoder.snapshot_policies())
+    drafter.learn_from(FrozenLearning(tail_version, tail_head))
+    histories = {arm: copy.deepcopy(tail_history) for arm in runs}
     for prompt in ps[-args.tail :]:
         for policy in policies:
             for head in ("learned", "loaded"):
                 drafter.use_history("" if head == "learned" else None)
                 decoder.restore_policies(states[head])
+                decoder.drafters.update(histories[policy, head])
                 result = decoder.generate(
                     prompt, max_new_tokens=args.new_tokens, policy=f"fixed:{eagle}" if policy == "fixed" else None
                 )
@@ -164,7 +192,8 @@ def main() -> None:
         "requests": args.requests,
         "learn_every": args.learn_every,
         "phase1_seconds": round(phase1, 1),
-        "versions": drafter.version[1],
+        "versions": final_version,
+        "tail_version": tail_version,
         "learner": learner.stats(),
         "first_tail_mean_accepted": round(mean_accepted(curve[: args.tail]), 3),
         "last_tail_mean_accepted": round(mean_accepted(curve[-args.tail :]), 3),
@@ -173,6 +202,7 @@ def main() -> None:
                 "mean_accepted": round(mean_accepted(rows), 3),
                 "tokens_per_second": round(sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows), 2),
                 "median_request_tps": round(statistics.median(r["tokens"] / r["seconds"] for r in rows), 2),
+                "head_round_share": round(sum(r["rounds"] for r in rows) / sum(r["all_rounds"] for r in rows), 3),
             }
             for (policy, head), rows in runs.items()
         },
