@@ -10,7 +10,7 @@ can be copied from its prompt, so the free drafters propose little. Phase 1: the
 (`metasd.learning`, defaults but `--learn-every`, half a core at serving's priority) trains in the background.
 Phase 2: the learner stopped, each of the last 50 prompts (`--tail`) four times in turn: fixed:eagle and the
 default policy (`--policies`), each with the learned head and with the head as loaded (the drafter's history key
-set to None), each head with its own policy state across requests. Both arms start from the server as it stood
+set to None), each head with its own policy state across requests. Every arm starts from the server as it stood
 before the tail: the learned head is the one in service then (phase 1 went on to learn from the tail's answers,
 which a fair comparison must not have seen), and each arm has its own copy of the free drafters' cross-request
 history of that moment, which it extends with its own outputs only (one history for all four would hold each
@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--policies", default="fixed,default", help="phase 2's policies: fixed (the head), default")
     args = parser.parse_args()
+    if not 0 < args.tail <= args.requests:
+        parser.error("--tail must be 1 .. --requests")
     pool = {"drafters": args.drafters.split(",")} if args.drafters else {}
     decoder = Decoder(target=args.target, dtype=args.dtype, **pool)
     eagle = next(name for name in decoder.drafter_names if name.startswith("eagle"))
